@@ -1,0 +1,209 @@
+//! The admin API under `/_custom_router/`: set-backends, health, metrics. Never proxied.
+
+use std::sync::Arc;
+
+use http::header::{ALLOW, CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+
+use crate::backend::{Backend, BackendAddr};
+use crate::balancer::Balancer;
+use crate::body::ResponseBody;
+use crate::response;
+
+/// Every admin path starts with this.
+pub const PREFIX: &str = "/_custom_router";
+/// `POST`: replace the backend set.
+pub const SET_BACKENDS: &str = "/_custom_router/set-backends";
+/// `GET`: readiness and per-backend state.
+pub const HEALTH: &str = "/_custom_router/health";
+/// `GET`: Prometheus text.
+pub const METRICS: &str = "/_custom_router/metrics";
+
+/// Largest set-backends body accepted.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// Most backends one set-backends call may list.
+pub const MAX_BACKENDS: usize = 1024;
+
+/// Whether `path` belongs to the admin API (and so is never proxied).
+pub fn is_admin_path(path: &str) -> bool {
+    path.strip_prefix(PREFIX)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// Answers one admin request.
+pub async fn handle(
+    balancer: &Arc<Balancer>,
+    request: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let allowed = match request.uri().path() {
+        SET_BACKENDS => Method::POST,
+        HEALTH | METRICS => Method::GET,
+        _ => return response::error(StatusCode::NOT_FOUND, "unknown admin path"),
+    };
+    let method = request.method();
+    if method != allowed && !(allowed == Method::GET && method == Method::HEAD) {
+        let mut answer = response::error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &format!("method {method} not allowed; use {allowed}"),
+        );
+        answer.headers_mut().insert(
+            ALLOW,
+            HeaderValue::from_str(allowed.as_str()).expect("a method is a valid header value"),
+        );
+        return answer;
+    }
+    match request.uri().path() {
+        SET_BACKENDS => set_backends(balancer, request).await,
+        HEALTH => response::json(StatusCode::OK, &health(balancer)),
+        _ => metrics(balancer),
+    }
+}
+
+async fn set_backends(
+    balancer: &Arc<Balancer>,
+    request: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let body = match Limited::new(request.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+            return response::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("body larger than {MAX_BODY_BYTES} bytes"),
+            );
+        }
+        Err(error) => {
+            return response::error(
+                StatusCode::BAD_REQUEST,
+                &format!("could not read body: {error}"),
+            );
+        }
+    };
+    let addrs = match parse_backends(&body) {
+        Ok(addrs) => addrs,
+        Err(message) => return response::error(StatusCode::BAD_REQUEST, &message),
+    };
+    let backends = balancer.set_backends(addrs);
+    let list: Vec<&str> = backends.iter().map(|b| b.addr().as_str()).collect();
+    tracing::info!(backends = ?list, "backend set replaced");
+    response::json(StatusCode::OK, &json!({ "ok": true, "backends": list }))
+}
+
+/// Parses a set-backends body; the error names the offending field.
+pub fn parse_backends(body: &[u8]) -> Result<Vec<BackendAddr>, String> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|error| format!("malformed JSON: {error}"))?;
+    let Value::Object(object) = value else {
+        return Err("body must be a JSON object with a `backends` array".to_owned());
+    };
+    let entries = match object.get("backends") {
+        None => return Err("missing field `backends`".to_owned()),
+        Some(Value::Array(entries)) => entries,
+        Some(_) => return Err("field `backends` must be an array of strings".to_owned()),
+    };
+    if entries.len() > MAX_BACKENDS {
+        return Err(format!(
+            "field `backends` has {} entries; at most {MAX_BACKENDS} are allowed",
+            entries.len()
+        ));
+    }
+    entries
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| {
+            let Value::String(text) = entry else {
+                return Err(format!("backends[{index}] must be a string, found {entry}"));
+            };
+            text.parse::<BackendAddr>()
+                .map_err(|error| format!("backends[{index}]: {error}"))
+        })
+        .collect()
+}
+
+fn backend_json(backend: &Backend) -> Value {
+    json!({
+        "addr": backend.addr().as_str(),
+        "in_flight": backend.in_flight(),
+        "ewma_latency": backend.ewma_latency(),
+        "completed": backend.completed(),
+    })
+}
+
+/// The health document: `ok`, `strategy`, `queue_depth` and per-backend state.
+pub fn health(balancer: &Balancer) -> Value {
+    let backends: Vec<Value> = balancer
+        .backends()
+        .iter()
+        .map(|b| backend_json(b))
+        .collect();
+    json!({
+        "ok": true,
+        "strategy": balancer.strategy().name(),
+        "queue_depth": balancer.queue_depth(),
+        "backends": backends,
+    })
+}
+
+fn metrics(balancer: &Balancer) -> Response<ResponseBody> {
+    match balancer.metrics().render() {
+        Ok(text) => {
+            let mut answer = Response::new(http_body_util::Either::Right(
+                http_body_util::Full::new(bytes::Bytes::from(text)),
+            ));
+            answer.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            answer
+        }
+        Err(error) => response::error(StatusCode::INTERNAL_SERVER_ERROR, &error.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_paths_are_recognised_exactly() {
+        assert!(is_admin_path("/_custom_router"));
+        assert!(is_admin_path("/_custom_router/health"));
+        assert!(is_admin_path("/_custom_router/anything"));
+        assert!(!is_admin_path("/_custom_routerx"));
+        assert!(!is_admin_path("/v1/_custom_router/health"));
+    }
+
+    #[test]
+    fn parse_errors_name_the_field() {
+        let error = |body: &str| parse_backends(body.as_bytes()).unwrap_err();
+        assert!(error("{").starts_with("malformed JSON"));
+        assert_eq!(
+            error("[]"),
+            "body must be a JSON object with a `backends` array"
+        );
+        assert_eq!(error("{}"), "missing field `backends`");
+        assert_eq!(
+            error(r#"{"backends":"a:1"}"#),
+            "field `backends` must be an array of strings"
+        );
+        assert_eq!(
+            error(r#"{"backends":["a:1",5]}"#),
+            "backends[1] must be a string, found 5"
+        );
+        assert!(error(r#"{"backends":["a"]}"#).starts_with("backends[0]: "));
+        let many: Vec<String> = (0..1025).map(|i| format!("\"h{i}:1\"")).collect();
+        assert!(error(&format!("{{\"backends\":[{}]}}", many.join(","))).contains("at most 1024"));
+    }
+
+    #[test]
+    fn parse_accepts_empty_and_mixed_forms() {
+        assert!(parse_backends(br#"{"backends":[]}"#).unwrap().is_empty());
+        let addrs = parse_backends(br#"{"backends":["a:1","http://b:2","https://c:3"]}"#).unwrap();
+        assert_eq!(addrs.len(), 3);
+    }
+}

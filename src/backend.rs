@@ -1,0 +1,334 @@
+//! Backends: their addresses and the statistics the core keeps for each.
+//!
+//! A [`Backend`] is shared (`Arc`) between the current snapshot and every request leased to it, so
+//! a backend removed from the set still counts its in-flight requests down as they finish. A set
+//! change keeps the `Arc` (and so the statistics) of every backend present before and after; an
+//! address removed and added again gets a fresh `Backend` with zeroed counters.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use http::uri::{Authority, Scheme};
+
+/// Why a backend address was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddrError {
+    /// Nothing given.
+    #[error("address is empty")]
+    Empty,
+    /// The text is not a URI authority.
+    #[error("{0:?} is not a valid host:port")]
+    Invalid(String),
+    /// Scheme other than http or https.
+    #[error("{0:?} has an unknown scheme (expected http:// or https://)")]
+    UnknownScheme(String),
+    /// No `:port`.
+    #[error("{0:?} has no port")]
+    NoPort(String),
+    /// Port 0 or above 65535.
+    #[error("{0:?} has an invalid port (expected 1-65535)")]
+    BadPort(String),
+    /// A path after the authority.
+    #[error("{0:?} has a path; give only [scheme://]host:port")]
+    Path(String),
+    /// A query after the authority.
+    #[error("{0:?} has a query; give only [scheme://]host:port")]
+    Query(String),
+    /// `user@host`.
+    #[error("{0:?} has user info; give only [scheme://]host:port")]
+    UserInfo(String),
+}
+
+/// A parsed backend address: `host:port`, `http://host:port` or `https://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BackendAddr {
+    https: bool,
+    authority: Authority,
+    display: Box<str>,
+}
+
+impl BackendAddr {
+    /// The URI scheme used to reach this backend.
+    pub fn scheme(&self) -> Scheme {
+        if self.https {
+            Scheme::HTTPS
+        } else {
+            Scheme::HTTP
+        }
+    }
+
+    /// Whether the backend is reached over TLS.
+    pub fn is_https(&self) -> bool {
+        self.https
+    }
+
+    /// `host:port` (IPv6 hosts in brackets).
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+
+    /// Canonical text: `host:port` for http, `https://host:port` for https; host lowercased.
+    pub fn as_str(&self) -> &str {
+        &self.display
+    }
+}
+
+impl fmt::Display for BackendAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.display)
+    }
+}
+
+impl FromStr for BackendAddr {
+    type Err = AddrError;
+
+    fn from_str(text: &str) -> Result<Self, AddrError> {
+        let trimmed = text.trim();
+        if trimmed.is_empty() {
+            return Err(AddrError::Empty);
+        }
+        let owned = || trimmed.to_owned();
+        let (https, rest) = match trimmed.split_once("://") {
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("http") => (false, rest),
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("https") => (true, rest),
+            Some(_) => return Err(AddrError::UnknownScheme(owned())),
+            None => (false, trimmed),
+        };
+        // A single trailing slash is the empty path; anything after it is not.
+        let (authority_text, tail) = match rest.find(['/', '?', '#']) {
+            Some(at) => rest.split_at(at),
+            None => (rest, ""),
+        };
+        if tail.contains('?') {
+            return Err(AddrError::Query(owned()));
+        }
+        if !(tail.is_empty() || tail == "/") {
+            return Err(AddrError::Path(owned()));
+        }
+        if authority_text.contains('@') {
+            return Err(AddrError::UserInfo(owned()));
+        }
+        let Some((host_text, port_text)) = authority_text
+            .rsplit_once(':')
+            .filter(|(_, port)| !port.contains(']'))
+        else {
+            return Err(AddrError::NoPort(owned()));
+        };
+        if port_text.is_empty() {
+            return Err(AddrError::NoPort(owned()));
+        }
+        match port_text.parse::<u16>() {
+            Ok(port) if port > 0 => {}
+            _ => return Err(AddrError::BadPort(owned())),
+        }
+        if host_text.is_empty() || (host_text.contains(':') && !host_text.starts_with('[')) {
+            return Err(AddrError::Invalid(owned()));
+        }
+        let authority =
+            Authority::from_str(authority_text).map_err(|_| AddrError::Invalid(owned()))?;
+        let host = authority.host().to_ascii_lowercase();
+        let port = port_text.trim_start_matches('0');
+        debug_assert_eq!(authority.port_u16().map(|p| p.to_string()).as_deref(), Some(port));
+        let canonical = format!("{host}:{port}");
+        let authority = Authority::from_str(&canonical).map_err(|_| AddrError::Invalid(owned()))?;
+        let display = if https {
+            format!("https://{canonical}")
+        } else {
+            canonical
+        };
+        Ok(Self {
+            https,
+            authority,
+            display: display.into_boxed_str(),
+        })
+    }
+}
+
+/// Status classes counted per backend: 1xx to 5xx.
+pub const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// Kinds of upstream failure counted per backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The connection could not be opened (refused, unreachable, DNS).
+    Connect,
+    /// Opening the connection took longer than the connect timeout.
+    ConnectTimeout,
+    /// The connection failed while the request or response was in transit.
+    Io,
+}
+
+impl ErrorKind {
+    /// Every kind, in the order of their counters.
+    pub const ALL: [ErrorKind; 3] = [ErrorKind::Connect, ErrorKind::ConnectTimeout, ErrorKind::Io];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Connect => "connect",
+            ErrorKind::ConnectTimeout => "connect_timeout",
+            ErrorKind::Io => "io",
+        }
+    }
+}
+
+const NO_SAMPLE: u64 = u64::MAX;
+
+/// One backend and the statistics the core keeps for it. All counters are lock-free.
+#[derive(Debug)]
+pub struct Backend {
+    addr: BackendAddr,
+    in_flight: AtomicUsize,
+    completed: AtomicU64,
+    ewma_bits: AtomicU64,
+    responses: [AtomicU64; 5],
+    errors: [AtomicU64; 3],
+}
+
+impl Backend {
+    /// A backend with no history.
+    pub fn new(addr: BackendAddr) -> Self {
+        Self {
+            addr,
+            in_flight: AtomicUsize::new(0),
+            completed: AtomicU64::new(0),
+            ewma_bits: AtomicU64::new(NO_SAMPLE),
+            responses: Default::default(),
+            errors: Default::default(),
+        }
+    }
+
+    /// The backend's address.
+    pub fn addr(&self) -> &BackendAddr {
+        &self.addr
+    }
+
+    /// Requests dispatched to this backend whose response has not finished.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Requests finished (not cancelled by the client), capped by the core.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(Ordering::Relaxed)
+    }
+
+    /// EWMA of end-to-end latency in seconds; `None` until the first sample.
+    pub fn ewma_latency(&self) -> Option<f64> {
+        match self.ewma_bits.load(Ordering::Relaxed) {
+            NO_SAMPLE => None,
+            bits => Some(f64::from_bits(bits)),
+        }
+    }
+
+    /// Responses with status class `index` (0 = 1xx … 4 = 5xx) since the backend was added.
+    pub fn responses(&self, class_index: usize) -> u64 {
+        self.responses[class_index].load(Ordering::Relaxed)
+    }
+
+    /// Upstream errors of `kind` since the backend was added.
+    pub fn errors(&self, kind: ErrorKind) -> u64 {
+        self.errors[kind as usize].load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn acquire(&self) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn release(&self) {
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Folds one latency sample (seconds) into the EWMA: the first sample is taken as is.
+    pub fn record_latency(&self, sample: f64, alpha: f64) {
+        let _ = self
+            .ewma_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let next = match bits {
+                    NO_SAMPLE => sample,
+                    old => alpha * sample + (1.0 - alpha) * f64::from_bits(old),
+                };
+                Some(next.to_bits())
+            });
+    }
+
+    /// Counts one finished request, never above `cap`.
+    pub fn record_completed(&self, cap: u64) {
+        let _ = self
+            .completed
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < cap).then_some(n + 1)
+            });
+    }
+
+    pub(crate) fn record_status(&self, status: http::StatusCode) {
+        let index = (status.as_u16() / 100).clamp(1, 5) as usize - 1;
+        self.responses[index].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_error(&self, kind: ErrorKind) {
+        self.errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<String, AddrError> {
+        text.parse::<BackendAddr>().map(|a| a.to_string())
+    }
+
+    #[test]
+    fn accepts_the_three_forms() {
+        assert_eq!(parse("10.0.0.1:8080").unwrap(), "10.0.0.1:8080");
+        assert_eq!(parse("http://10.0.0.1:8080").unwrap(), "10.0.0.1:8080");
+        assert_eq!(
+            parse("HTTP://Replica-1.Local:80/").unwrap(),
+            "replica-1.local:80"
+        );
+        assert_eq!(parse("https://[::1]:8443").unwrap(), "https://[::1]:8443");
+        assert_eq!(parse("[fe80::1]:80").unwrap(), "[fe80::1]:80");
+        assert!(parse("https://a:1").unwrap().starts_with("https://"));
+    }
+
+    #[test]
+    fn rejects_bad_addresses_with_the_reason() {
+        assert_eq!(parse(""), Err(AddrError::Empty));
+        assert!(matches!(parse("10.0.0.1"), Err(AddrError::NoPort(_))));
+        assert!(matches!(parse("http://host"), Err(AddrError::NoPort(_))));
+        assert!(matches!(parse("host:0"), Err(AddrError::BadPort(_))));
+        assert!(matches!(parse("host:70000"), Err(AddrError::BadPort(_))));
+        assert!(matches!(parse("host:80/v1"), Err(AddrError::Path(_))));
+        assert!(matches!(parse("host:80?a=1"), Err(AddrError::Query(_))));
+        assert!(matches!(parse("host:80/?a=1"), Err(AddrError::Query(_))));
+        assert!(matches!(
+            parse("ftp://host:21"),
+            Err(AddrError::UnknownScheme(_))
+        ));
+        assert!(matches!(parse("user@host:80"), Err(AddrError::UserInfo(_))));
+        assert!(matches!(parse(":80"), Err(AddrError::Invalid(_))));
+        assert!(matches!(parse("ho st:80"), Err(AddrError::Invalid(_))));
+    }
+
+    #[test]
+    fn ewma_starts_at_first_sample_then_smooths() {
+        let backend = Backend::new("a:1".parse().unwrap());
+        assert_eq!(backend.ewma_latency(), None);
+        backend.record_latency(1.0, 0.3);
+        assert_eq!(backend.ewma_latency(), Some(1.0));
+        backend.record_latency(2.0, 0.3);
+        let ewma = backend.ewma_latency().unwrap();
+        assert!((ewma - 1.3).abs() < 1e-12, "{ewma}");
+    }
+
+    #[test]
+    fn completed_is_capped() {
+        let backend = Backend::new("a:1".parse().unwrap());
+        for _ in 0..10 {
+            backend.record_completed(3);
+        }
+        assert_eq!(backend.completed(), 3);
+    }
+}

@@ -1,0 +1,450 @@
+//! The balancer: backend snapshot, admission queue and dispatcher, outcome recording.
+//!
+//! A request is *admitted* by [`Balancer::admit`]. Fast path: when nobody is waiting and the
+//! strategy picks a backend at once, the request leaves with a [`Lease`] without waiting for any
+//! other task. Otherwise it joins one bounded FIFO queue (full: the oldest waiter is evicted with
+//! 503) and waits until dispatched or until its deadline (503).
+//!
+//! There is no dispatcher task and no polling: whoever changes something that may let the head of
+//! the queue go — a finished request, a new backend set, an arriving request — runs
+//! [`Balancer::dispatch_locked`] under the queue lock, which hands leases to waiters in arrival order
+//! for as long as the strategy picks a backend. A waiter whose client went away removes itself
+//! from the queue when its future is dropped, so it is never sent upstream.
+//!
+//! The queue lock is a `std::sync::Mutex` that is never held across an await.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use http::StatusCode;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::backend::{Backend, BackendAddr, ErrorKind};
+use crate::config::Settings;
+use crate::metrics::{Metrics, MetricsError, Snapshot};
+use crate::strategies::{Outcome, RequestInfo, Strategy};
+
+/// Why a request was answered by the router instead of a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// The strategy had no backend and does not queue (e.g. round-robin with an empty set).
+    NoBackend,
+    /// The queue was full and this was the oldest waiting request.
+    Evicted,
+    /// The request waited `queue_timeout` in the queue.
+    Timeout,
+    /// The router is going away.
+    ShuttingDown,
+}
+
+impl Rejection {
+    /// The client-facing message.
+    pub fn message(self) -> &'static str {
+        match self {
+            Rejection::NoBackend => "no backend available",
+            Rejection::Evicted => "router queue full: the oldest waiting request was evicted",
+            Rejection::Timeout => "request timed out waiting in the router queue",
+            Rejection::ShuttingDown => "router is shutting down",
+        }
+    }
+}
+
+struct Waiter {
+    seq: u64,
+    info: RequestInfo,
+    enqueued_at: Instant,
+    reply: oneshot::Sender<Result<Lease, Rejection>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiters: VecDeque<Waiter>,
+    next_seq: u64,
+}
+
+impl Queue {
+    fn remove(&mut self, seq: u64) -> Option<Waiter> {
+        // Sequence numbers grow from front to back.
+        let index = self
+            .waiters
+            .binary_search_by_key(&seq, |waiter| waiter.seq)
+            .ok()?;
+        self.waiters.remove(index)
+    }
+}
+
+/// Tunables the balancer reads on the request path, taken from [`Settings`] once.
+#[derive(Debug, Clone, Copy)]
+struct Tuning {
+    queue_max_size: usize,
+    queue_timeout: Duration,
+    ewma_alpha: f64,
+    latency_threshold: f64,
+    completed_cap: u64,
+}
+
+/// Shared routing state. See the module docs.
+pub struct Balancer {
+    backends: Arc<Snapshot>,
+    strategy: Arc<dyn Strategy>,
+    queue: Mutex<Queue>,
+    queue_depth: Arc<AtomicUsize>,
+    tuning: Tuning,
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for Balancer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Balancer")
+            .field("strategy", &self.strategy.name())
+            .field("queue_depth", &self.queue_depth())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Balancer {
+    /// A balancer with no backends, using the settings' strategy.
+    pub fn new(settings: &Settings) -> Result<Arc<Self>, MetricsError> {
+        let backends: Arc<Snapshot> = Arc::new(Snapshot::from_pointee(Vec::new()));
+        let queue_depth = Arc::new(AtomicUsize::new(0));
+        let metrics = Metrics::new(Arc::clone(&backends), Arc::clone(&queue_depth))?;
+        let config = &settings.config;
+        Ok(Arc::new(Self {
+            backends,
+            strategy: Arc::clone(&settings.strategy),
+            queue: Mutex::new(Queue::default()),
+            queue_depth,
+            tuning: Tuning {
+                queue_max_size: config.queue_max_size,
+                queue_timeout: settings.queue_timeout(),
+                ewma_alpha: config.ewma_alpha,
+                latency_threshold: config.latency_threshold,
+                completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
+            },
+            metrics,
+        }))
+    }
+
+    /// The metrics instruments.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The strategy in use.
+    pub fn strategy(&self) -> &dyn Strategy {
+        &*self.strategy
+    }
+
+    /// The current backends.
+    pub fn backends(&self) -> Arc<Vec<Arc<Backend>>> {
+        self.backends.load_full()
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queue_depth(&self) -> usize {
+        self.queue_depth.load(Ordering::SeqCst)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        // A panic while holding the lock cannot leave the queue half-updated in a way that matters
+        // more than refusing all traffic would, so poisoning is ignored.
+        self.queue
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Replaces the backend set atomically and returns the new list.
+    ///
+    /// Backends present before and after keep their `Arc` and statistics; new addresses start
+    /// fresh. Duplicates (same canonical address) collapse, first occurrence wins.
+    pub fn set_backends(self: &Arc<Self>, addrs: Vec<BackendAddr>) -> Arc<Vec<Arc<Backend>>> {
+        let mut queue = self.lock();
+        let current = self.backends.load();
+        let mut next: Vec<Arc<Backend>> = Vec::with_capacity(addrs.len());
+        for addr in addrs {
+            if next.iter().any(|b| b.addr() == &addr) {
+                continue;
+            }
+            let backend = current
+                .iter()
+                .find(|b| b.addr() == &addr)
+                .cloned()
+                .unwrap_or_else(|| Arc::new(Backend::new(addr)));
+            next.push(backend);
+        }
+        let next = Arc::new(next);
+        self.backends.store(Arc::clone(&next));
+        self.strategy.on_backends_changed(&next);
+        self.dispatch_locked(&mut queue);
+        next
+    }
+
+    /// Admits one request: returns a lease on a backend, possibly after waiting in the queue.
+    pub async fn admit(self: &Arc<Self>, info: RequestInfo) -> Result<Lease, Rejection> {
+        let enqueued_at = Instant::now();
+        let (seq, reply) = {
+            let mut queue = self.lock();
+            if queue.waiters.is_empty() {
+                let backends = self.backends.load();
+                if let Some(index) = self.strategy.pick(&info, &backends) {
+                    drop(queue);
+                    self.metrics.queue_wait.record(0.0, &[]);
+                    return Ok(Lease::new(self, Arc::clone(&backends[index])));
+                }
+            }
+            if !self.strategy.queues_when_unavailable() {
+                drop(queue);
+                self.metrics.rejected.add(1, &[]);
+                return Err(Rejection::NoBackend);
+            }
+            self.enqueue_locked(&mut queue, info, enqueued_at)
+        };
+        let mut waiting = Waiting {
+            balancer: self,
+            seq,
+            reply,
+            settled: false,
+        };
+        waiting.wait(enqueued_at + self.tuning.queue_timeout).await
+    }
+
+    fn enqueue_locked(
+        self: &Arc<Self>,
+        queue: &mut Queue,
+        info: RequestInfo,
+        enqueued_at: Instant,
+    ) -> (u64, oneshot::Receiver<Result<Lease, Rejection>>) {
+        if queue.waiters.len() >= self.tuning.queue_max_size {
+            if let Some(oldest) = queue.waiters.pop_front() {
+                self.metrics.evicted.add(1, &[]);
+                let _ = oldest.reply.send(Err(Rejection::Evicted));
+            }
+        }
+        let (sender, receiver) = oneshot::channel();
+        let seq = queue.next_seq;
+        queue.next_seq += 1;
+        queue.waiters.push_back(Waiter {
+            seq,
+            info,
+            enqueued_at,
+            reply: sender,
+        });
+        self.queue_depth
+            .store(queue.waiters.len(), Ordering::SeqCst);
+        // Something may have freed up between the fast-path pick and now.
+        self.dispatch_locked(queue);
+        (seq, receiver)
+    }
+
+    /// Hands leases to waiters in arrival order while the strategy picks a backend for the head.
+    fn dispatch_locked(self: &Arc<Self>, queue: &mut Queue) {
+        if queue.waiters.is_empty() {
+            return;
+        }
+        let backends = self.backends.load();
+        while let Some(head) = queue.waiters.front() {
+            let Some(index) = self.strategy.pick(&head.info, &backends) else {
+                break;
+            };
+            let Some(waiter) = queue.waiters.pop_front() else {
+                break;
+            };
+            let lease = Lease::new(self, Arc::clone(&backends[index]));
+            let waited = waiter.enqueued_at.elapsed().as_secs_f64();
+            match waiter.reply.send(Ok(lease)) {
+                Ok(()) => self.metrics.queue_wait.record(waited, &[]),
+                Err(Ok(lease)) => {
+                    // The client left without its future removing it: release silently, as the
+                    // lock is held and a normal release would try to dispatch again.
+                    lease.release_locked();
+                    self.metrics.cancelled.add(1, &[]);
+                }
+                Err(Err(_)) => {}
+            }
+        }
+        self.queue_depth
+            .store(queue.waiters.len(), Ordering::SeqCst);
+    }
+
+    /// Called after a lease is released: lets the queue head go if anything waits.
+    fn capacity_freed(self: &Arc<Self>) {
+        if self.queue_depth.load(Ordering::SeqCst) > 0 {
+            let mut queue = self.lock();
+            self.dispatch_locked(&mut queue);
+        }
+    }
+
+    /// Records a finished request on its backend and tells the strategy.
+    fn record_outcome(&self, backend: &Backend, finish: &Finish, latency: Duration) {
+        let failed = finish.error.is_some() || finish.status.is_some_and(|s| s.is_server_error());
+        let measured = latency.as_secs_f64();
+        // A failure must never look fast: it counts at least as the latency threshold.
+        let sample = if failed {
+            measured.max(self.tuning.latency_threshold)
+        } else {
+            measured
+        };
+        backend.record_latency(sample, self.tuning.ewma_alpha);
+        backend.record_completed(self.tuning.completed_cap);
+        if let Some(status) = finish.status {
+            backend.record_status(status);
+        }
+        if let Some(kind) = finish.error {
+            backend.record_error(kind);
+        }
+        self.strategy.on_outcome(
+            backend,
+            &Outcome {
+                latency: sample,
+                failed,
+            },
+        );
+        self.metrics.request_duration.record(measured, &[]);
+    }
+}
+
+/// A queued request waiting for its lease; removes itself from the queue if dropped early.
+struct Waiting<'a> {
+    balancer: &'a Arc<Balancer>,
+    seq: u64,
+    reply: oneshot::Receiver<Result<Lease, Rejection>>,
+    settled: bool,
+}
+
+impl Waiting<'_> {
+    async fn wait(&mut self, deadline: Instant) -> Result<Lease, Rejection> {
+        let result = match tokio::time::timeout_at(deadline, &mut self.reply).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(Rejection::ShuttingDown),
+            Err(_elapsed) => {
+                if self.balancer.remove_waiter(self.seq) {
+                    self.balancer.metrics.timeout.add(1, &[]);
+                    Err(Rejection::Timeout)
+                } else {
+                    // Dispatched or evicted under the lock just before the deadline.
+                    self.reply.try_recv().unwrap_or(Err(Rejection::Timeout))
+                }
+            }
+        };
+        self.settled = true;
+        result
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        if self.balancer.remove_waiter(self.seq) {
+            self.balancer.metrics.cancelled.add(1, &[]);
+        } else if let Ok(Ok(lease)) = self.reply.try_recv() {
+            // Dispatched but never used: give the slot back (this may dispatch the next waiter).
+            self.balancer.metrics.cancelled.add(1, &[]);
+            drop(lease);
+        }
+    }
+}
+
+impl Balancer {
+    /// Takes a waiter out of the queue; `false` if it was already dispatched or evicted.
+    fn remove_waiter(&self, seq: u64) -> bool {
+        let mut queue = self.lock();
+        let removed = queue.remove(seq).is_some();
+        self.queue_depth
+            .store(queue.waiters.len(), Ordering::SeqCst);
+        removed
+    }
+}
+
+/// How a proxied request ended, for [`Lease::finish`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Finish {
+    /// The backend's status code, if it answered.
+    pub status: Option<StatusCode>,
+    /// The upstream failure, if any.
+    pub error: Option<ErrorKind>,
+}
+
+/// One request's claim on a backend: counted in the backend's in-flight until dropped.
+///
+/// [`Lease::finish`] records the outcome; a lease dropped without it (client went away) gives no
+/// latency sample. Either way the in-flight count is released and the queue may move on.
+pub struct Lease {
+    balancer: Arc<Balancer>,
+    backend: Arc<Backend>,
+    dispatched_at: Instant,
+    first_byte: Option<Duration>,
+    released: bool,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("backend", &self.backend.addr().as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lease {
+    fn new(balancer: &Arc<Balancer>, backend: Arc<Backend>) -> Self {
+        backend.acquire();
+        Self {
+            balancer: Arc::clone(balancer),
+            backend,
+            dispatched_at: Instant::now(),
+            first_byte: None,
+            released: false,
+        }
+    }
+
+    /// The backend this request goes to.
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.backend
+    }
+
+    /// When the lease was handed out.
+    pub fn dispatched_at(&self) -> Instant {
+        self.dispatched_at
+    }
+
+    /// Notes the first response body byte (once).
+    pub fn mark_first_byte(&mut self) {
+        if self.first_byte.is_none() {
+            let elapsed = self.dispatched_at.elapsed();
+            self.first_byte = Some(elapsed);
+            self.balancer
+                .metrics
+                .time_to_first_byte
+                .record(elapsed.as_secs_f64(), &[]);
+        }
+    }
+
+    /// Records how the request ended, then releases the backend.
+    pub fn finish(mut self, finish: Finish) {
+        let latency = self.dispatched_at.elapsed();
+        if finish.error.is_none() {
+            self.mark_first_byte();
+        }
+        self.balancer
+            .record_outcome(&self.backend, &finish, latency);
+        // Drop releases the in-flight count and lets the queue move.
+    }
+
+    fn release_locked(mut self) {
+        self.backend.release();
+        self.released = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if !self.released {
+            self.backend.release();
+            self.balancer.capacity_freed();
+        }
+    }
+}

@@ -1,0 +1,424 @@
+//! Configuration: built-in defaults < TOML file < environment variables.
+//!
+//! [`Config`] holds every setting with its default (one place for each default). [`load`] layers the
+//! sources with figment, extracts strictly (unknown keys in the file are errors), validates the
+//! result and builds the selected strategy, so that every mistake is reported before the router
+//! binds its port. Errors name the environment variable or the file key and what was expected.
+//!
+//! Environment variables are listed once, in [`ENV_VARS`]; the `--help` text, the provider and the
+//! error messages are all derived from that table.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::{Dict, Value};
+use serde::{Deserialize, Serialize};
+
+use crate::strategies::{self, Strategy, StrategyContext};
+
+/// One environment variable and the configuration key it sets.
+#[derive(Debug, Clone, Copy)]
+pub struct EnvVar {
+    /// The variable's name, e.g. `CUSTOM_ROUTER_PORT`.
+    pub name: &'static str,
+    /// The dotted configuration key it sets, e.g. `port` or `strategy.name`.
+    pub key: &'static str,
+    /// One line for `--help` and the docs.
+    pub help: &'static str,
+}
+
+/// Every environment variable the router reads (besides `RUST_LOG` and `CUSTOM_ROUTER_CONFIG`).
+pub const ENV_VARS: &[EnvVar] = &[
+    EnvVar {
+        name: "CUSTOM_ROUTER_PORT",
+        key: "port",
+        help: "listening port on all interfaces (0 picks a free port)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_STRATEGY",
+        key: "strategy.name",
+        help: "routing strategy, by registry name",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_LATENCY_THRESHOLD",
+        key: "latency_threshold",
+        help: "seconds; EWMA latency above which a busy backend is not preferred; failures count at least this",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_QUEUE_MAX_SIZE",
+        key: "queue_max_size",
+        help: "requests held in the router queue; when full the oldest is answered 503",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_QUEUE_TIMEOUT",
+        key: "queue_timeout",
+        help: "seconds a request may wait in the queue before it is answered 503",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_EWMA_ALPHA",
+        key: "ewma_alpha",
+        help: "EWMA smoothing factor in (0, 1]; higher reacts faster",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_STATE_LOG_INTERVAL",
+        key: "state_log_interval",
+        help: "seconds between backend-state log lines",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_SHUTDOWN_TIMEOUT",
+        key: "shutdown_timeout",
+        help: "seconds in-flight requests may take to finish after SIGTERM/SIGINT",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_CONNECT_TIMEOUT",
+        key: "connect_timeout",
+        help: "seconds allowed to open a connection to a backend",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_LOG_FORMAT",
+        key: "log_format",
+        help: "log line format: text or json",
+    },
+];
+
+/// The environment variable naming the TOML file (same as `--config`).
+pub const CONFIG_FILE_ENV: &str = "CUSTOM_ROUTER_CONFIG";
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The `[strategy]` table: which strategy and its own parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StrategyConfig {
+    /// Registry name of the strategy.
+    pub name: String,
+    /// The strategy's own parameters, checked strictly by its factory.
+    pub params: Dict,
+}
+
+impl Default for StrategyConfig {
+    fn default() -> Self {
+        Self {
+            name: strategies::DEFAULT_STRATEGY.to_owned(),
+            params: Dict::new(),
+        }
+    }
+}
+
+/// Every setting, with its default. Durations are seconds (fractions allowed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Listening port (all interfaces). 0 picks a free port.
+    pub port: u16,
+    /// Strategy selection and parameters.
+    pub strategy: StrategyConfig,
+    /// Seconds. A busy backend with a higher EWMA is not preferred; failures count at least this.
+    pub latency_threshold: f64,
+    /// Maximum number of requests waiting in the router queue.
+    pub queue_max_size: usize,
+    /// Seconds a request may wait in the queue.
+    pub queue_timeout: f64,
+    /// EWMA smoothing factor in (0, 1].
+    pub ewma_alpha: f64,
+    /// Seconds between backend-state log lines.
+    pub state_log_interval: f64,
+    /// Seconds in-flight requests may take to finish on shutdown.
+    pub shutdown_timeout: f64,
+    /// Seconds allowed to connect to a backend.
+    pub connect_timeout: f64,
+    /// Log line format.
+    pub log_format: LogFormat,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            port: 3000,
+            strategy: StrategyConfig::default(),
+            latency_threshold: 3.0,
+            queue_max_size: 1000,
+            queue_timeout: 1200.0,
+            ewma_alpha: 0.3,
+            state_log_interval: 30.0,
+            shutdown_timeout: 30.0,
+            connect_timeout: 5.0,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+/// A configuration error: which variable or key, and what was expected.
+#[derive(Debug, thiserror::Error)]
+#[error("{location}: {message}")]
+pub struct ConfigError {
+    /// The environment variable, or the key and the file it came from.
+    pub location: String,
+    /// What is wrong and what was expected.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(location: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            location: location.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// A validated configuration with its strategy built.
+#[derive(Clone)]
+pub struct Settings {
+    /// The effective configuration.
+    pub config: Config,
+    /// The strategy the configuration selects.
+    pub strategy: Arc<dyn Strategy>,
+    /// Where the file layer came from, if any.
+    pub config_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("config", &self.config)
+            .field("strategy", &self.strategy.name())
+            .field("config_file", &self.config_file)
+            .finish()
+    }
+}
+
+impl Settings {
+    /// Validates `config` and builds its strategy.
+    pub fn from_config(config: Config) -> Result<Self, ConfigError> {
+        validate(&config, &|key| key_location(key, None))?;
+        let strategy = build_strategy(&config, None)?;
+        Ok(Self {
+            config,
+            strategy,
+            config_file: None,
+        })
+    }
+
+    /// Queue timeout as a duration.
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.config.queue_timeout)
+    }
+
+    /// Backend connect timeout as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.config.connect_timeout)
+    }
+
+    /// Shutdown grace period as a duration.
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.config.shutdown_timeout)
+    }
+
+    /// Interval between backend-state log lines.
+    pub fn state_log_interval(&self) -> Duration {
+        Duration::from_secs_f64(self.config.state_log_interval)
+    }
+}
+
+/// Loads the layered configuration from the process environment and an optional file.
+///
+/// `file` is the `--config` flag; when absent `CUSTOM_ROUTER_CONFIG` is used. A named file that
+/// does not exist is an error.
+pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+    let file = file
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(CONFIG_FILE_ENV).map(PathBuf::from));
+    let mut figment = Figment::from(Serialized::defaults(Config::default()));
+    if let Some(path) = &file {
+        if !path.is_file() {
+            let location = if std::env::var_os(CONFIG_FILE_ENV).is_some() {
+                CONFIG_FILE_ENV.to_owned()
+            } else {
+                "--config".to_owned()
+            };
+            return Err(ConfigError::new(
+                location,
+                format!(
+                    "config file {} does not exist or is not a file",
+                    path.display()
+                ),
+            ));
+        }
+        figment = figment.merge(Toml::file_exact(path));
+    }
+    figment = figment.merge(env_provider());
+    let config: Config = figment
+        .extract()
+        .map_err(|error| describe_figment_error(&error, file.as_deref()))?;
+    let locate = |key: &str| key_location(key, file.as_deref());
+    validate(&config, &locate)?;
+    let strategy = build_strategy(&config, file.as_deref())?;
+    Ok(Settings {
+        config,
+        strategy,
+        config_file: file,
+    })
+}
+
+fn env_provider() -> Env {
+    let names: Vec<String> = ENV_VARS
+        .iter()
+        .map(|v| v.name.to_ascii_lowercase())
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    Env::raw().only(&names).map(|name| {
+        ENV_VARS
+            .iter()
+            .find(|v| v.name.eq_ignore_ascii_case(name.as_str()))
+            .map_or_else(|| name.into(), |v| v.key.into())
+    })
+}
+
+/// Where a key's value came from: its environment variable if set, else the file key.
+fn key_location(key: &str, file: Option<&Path>) -> String {
+    if let Some(var) = ENV_VARS
+        .iter()
+        .find(|v| v.key == key && std::env::var_os(v.name).is_some())
+    {
+        return var.name.to_owned();
+    }
+    match file {
+        Some(path) => format!("key `{key}` in {}", path.display()),
+        None => format!("key `{key}`"),
+    }
+}
+
+fn describe_figment_error(error: &figment::Error, file: Option<&Path>) -> ConfigError {
+    let key = error.path.join(".");
+    let from_env = error
+        .metadata
+        .as_ref()
+        .is_some_and(|m| m.name.contains("environment"));
+    let location = match ENV_VARS.iter().find(|v| v.key == key) {
+        Some(var) if from_env => var.name.to_owned(),
+        _ if key.is_empty() => match file {
+            Some(path) => path.display().to_string(),
+            None => "configuration".to_owned(),
+        },
+        _ => match (&error.metadata, file) {
+            (Some(m), Some(path)) if !from_env && m.source.is_some() => {
+                format!("key `{key}` in {}", path.display())
+            }
+            _ => format!("key `{key}`"),
+        },
+    };
+    ConfigError::new(location, error.kind.to_string())
+}
+
+fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
+    let positive_seconds = [
+        ("latency_threshold", config.latency_threshold),
+        ("queue_timeout", config.queue_timeout),
+        ("state_log_interval", config.state_log_interval),
+        ("connect_timeout", config.connect_timeout),
+    ];
+    for (key, value) in positive_seconds {
+        if !(value.is_finite() && value > 0.0 && value < 1e9) {
+            return Err(ConfigError::new(
+                locate(key),
+                format!("expected a positive number of seconds, found {value}"),
+            ));
+        }
+    }
+    if !(config.shutdown_timeout.is_finite()
+        && config.shutdown_timeout >= 0.0
+        && config.shutdown_timeout < 1e9)
+    {
+        return Err(ConfigError::new(
+            locate("shutdown_timeout"),
+            format!(
+                "expected zero or a positive number of seconds, found {}",
+                config.shutdown_timeout
+            ),
+        ));
+    }
+    if config.queue_max_size == 0 {
+        return Err(ConfigError::new(
+            locate("queue_max_size"),
+            "expected a positive integer, found 0",
+        ));
+    }
+    if !(config.ewma_alpha > 0.0 && config.ewma_alpha <= 1.0) {
+        return Err(ConfigError::new(
+            locate("ewma_alpha"),
+            format!("expected a number in (0, 1], found {}", config.ewma_alpha),
+        ));
+    }
+    Ok(())
+}
+
+fn build_strategy(config: &Config, file: Option<&Path>) -> Result<Arc<dyn Strategy>, ConfigError> {
+    let Some(entry) = strategies::find(&config.strategy.name) else {
+        return Err(ConfigError::new(
+            key_location("strategy.name", file),
+            format!(
+                "unknown strategy {:?}; expected one of: {}",
+                config.strategy.name,
+                strategies::names().join(", ")
+            ),
+        ));
+    };
+    let context = StrategyContext {
+        latency_threshold: config.latency_threshold,
+    };
+    let params = Value::from(config.strategy.params.clone());
+    (entry.build)(&context, &params).map_err(|error| {
+        let key = if error.field.is_empty() {
+            "strategy.params".to_owned()
+        } else {
+            format!("strategy.params.{}", error.field)
+        };
+        let location = match file {
+            Some(path) => format!("key `{key}` in {}", path.display()),
+            None => format!("key `{key}`"),
+        };
+        ConfigError::new(
+            location,
+            format!("{} (strategy {})", error.message, entry.name),
+        )
+    })
+}
+
+/// The `--help` paragraph listing every environment variable with its default.
+pub fn env_help() -> String {
+    let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
+    let mut text = String::from("Environment variables (override the config file):\n");
+    for var in ENV_VARS {
+        let default = var
+            .key
+            .split('.')
+            .try_fold(&defaults, |value, part| value.get(part))
+            .map(|v| v.to_string().trim_matches('"').to_owned())
+            .unwrap_or_default();
+        text.push_str(&format!(
+            "  {:<34} {} [default: {}]\n",
+            var.name, var.help, default
+        ));
+    }
+    text.push_str(&format!(
+        "  {:<34} TOML config file (same as --config)\n",
+        CONFIG_FILE_ENV
+    ));
+    text.push_str(&format!(
+        "  {:<34} log filter, e.g. info or custom_router=debug [default: info]\n",
+        "RUST_LOG"
+    ));
+    text
+}

@@ -1,0 +1,21 @@
+//! custom-router: a load-balancing HTTP proxy for LLM inference replicas.
+//!
+//! It runs as the custom-router sidecar of Hugging Face Inference Endpoints (and anywhere a few
+//! inference servers need one entry point): the platform tells it the current replicas through
+//! `POST /_custom_router/set-backends`, and every other request is proxied to the replica the
+//! configured [strategy](strategies) picks. See `docs/architecture.md` for the life of a request.
+
+pub mod admin;
+pub mod backend;
+pub mod balancer;
+pub mod body;
+pub mod config;
+pub mod metrics;
+pub mod proxy;
+pub mod response;
+pub mod server;
+#[path = "../strategies/mod.rs"]
+pub mod strategies;
+
+pub use config::{Config, Settings};
+pub use server::Router;

@@ -1,0 +1,131 @@
+//! The `custom-router` binary: parse flags, load configuration, serve until SIGTERM/SIGINT.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use custom_router::Router;
+use custom_router::config::{self, LogFormat, Settings};
+use tracing_subscriber::EnvFilter;
+
+/// Exit code for configuration errors.
+const CONFIG_ERROR: u8 = 2;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "custom-router",
+    version,
+    about = "Load-balancing HTTP proxy for LLM inference replicas (Inference Endpoints custom router)",
+    after_help = after_help()
+)]
+struct Cli {
+    /// TOML configuration file (also CUSTOM_ROUTER_CONFIG); environment variables override it.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+
+    /// Print the effective configuration as JSON and exit (2 if it is invalid).
+    #[arg(long)]
+    check_config: bool,
+}
+
+fn after_help() -> String {
+    let strategies: Vec<String> = custom_router::strategies::REGISTRY
+        .iter()
+        .map(|entry| format!("  {:<34} {}", entry.name, entry.summary))
+        .collect();
+    format!(
+        "{}\nStrategies (CUSTOM_ROUTER_STRATEGY or [strategy] name):\n{}\n",
+        config::env_help(),
+        strategies.join("\n")
+    )
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let settings = match config::load(cli.config.as_deref()) {
+        Ok(settings) => settings,
+        Err(error) => {
+            eprintln!("custom-router: configuration error: {error}");
+            return ExitCode::from(CONFIG_ERROR);
+        }
+    };
+    if cli.check_config {
+        match serde_json::to_string_pretty(&settings.config) {
+            Ok(text) => println!("{text}"),
+            Err(error) => {
+                eprintln!("custom-router: cannot print configuration: {error}");
+                return ExitCode::from(CONFIG_ERROR);
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
+    init_logging(settings.config.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("custom-router: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(settings))
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+async fn run(settings: Settings) -> ExitCode {
+    let router = match Router::bind(settings.clone()).await {
+        Ok(router) => router,
+        Err(error) => {
+            tracing::error!(%error, "cannot start");
+            return ExitCode::FAILURE;
+        }
+    };
+    let config = &settings.config;
+    tracing::info!(
+        listen = %router.local_addr(),
+        strategy = config.strategy.name,
+        params = ?config.strategy.params,
+        latency_threshold = config.latency_threshold,
+        queue_max_size = config.queue_max_size,
+        queue_timeout = config.queue_timeout,
+        ewma_alpha = config.ewma_alpha,
+        state_log_interval = config.state_log_interval,
+        shutdown_timeout = config.shutdown_timeout,
+        connect_timeout = config.connect_timeout,
+        config_file = ?settings.config_file,
+        "custom-router listening"
+    );
+    router.serve(shutdown_signal()).await;
+    tracing::info!("stopped");
+    ExitCode::SUCCESS
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(stream) => stream,
+        Err(error) => {
+            tracing::warn!(%error, "cannot watch SIGTERM; only SIGINT stops the router");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}

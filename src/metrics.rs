@@ -1,0 +1,243 @@
+//! Metrics: OpenTelemetry instruments exported in Prometheus text format.
+//!
+//! Names live in [`names`] and nowhere else. Per-backend series are observable instruments whose
+//! callbacks read the current backend snapshot at scrape time, so a removed backend's series
+//! disappear and the request path only bumps atomics on the backend. Process-wide counters are
+//! created at start with 0 so they are visible before the first event.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use arc_swap::ArcSwap;
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use prometheus::{Encoder, TextEncoder};
+
+use crate::backend::{Backend, ErrorKind, STATUS_CLASSES};
+
+/// Metric names as exported. Counters get `_total` from the exporter; the instrument names below
+/// are given without it and the exported names are listed in the constants' docs.
+pub mod names {
+    /// Gauge: requests waiting in the router queue.
+    pub const QUEUE_DEPTH: &str = "custom_router_queue_depth";
+    /// Gauge `{addr}`: EWMA latency in seconds of each backend that has one.
+    pub const BACKEND_EWMA_LATENCY: &str = "custom_router_backend_ewma_latency_seconds";
+    /// Gauge `{addr}`: requests in flight per backend.
+    pub const BACKEND_INFLIGHT: &str = "custom_router_backend_inflight_requests";
+    /// Counter `custom_router_requests_dispatched_total`: requests forwarded to a backend.
+    pub const REQUESTS_DISPATCHED: &str = "custom_router_requests_dispatched";
+    /// Counter `custom_router_requests_evicted_total`: oldest queued requests dropped (queue full).
+    pub const REQUESTS_EVICTED: &str = "custom_router_requests_evicted";
+    /// Counter `custom_router_requests_timeout_total`: queued requests dropped at the queue timeout.
+    pub const REQUESTS_TIMEOUT: &str = "custom_router_requests_timeout";
+    /// Counter `custom_router_requests_cancelled_total`: clients gone while their request was queued.
+    pub const REQUESTS_CANCELLED: &str = "custom_router_requests_cancelled";
+    /// Counter `custom_router_requests_rejected_total`: answered 503 at once (no backend to use).
+    pub const REQUESTS_REJECTED: &str = "custom_router_requests_rejected";
+    /// Counter `custom_router_backend_responses_total{addr,class}`: responses by status class.
+    pub const BACKEND_RESPONSES: &str = "custom_router_backend_responses";
+    /// Counter `custom_router_upstream_errors_total{addr,kind}`: failed upstream attempts.
+    pub const UPSTREAM_ERRORS: &str = "custom_router_upstream_errors";
+    /// Histogram: seconds from dispatch to the end of the response body.
+    pub const REQUEST_DURATION: &str = "custom_router_request_duration_seconds";
+    /// Histogram: seconds from dispatch to the first byte of the response body.
+    pub const TIME_TO_FIRST_BYTE: &str = "custom_router_time_to_first_byte_seconds";
+    /// Histogram: seconds requests spent waiting in the router queue.
+    pub const QUEUE_WAIT: &str = "custom_router_queue_wait_seconds";
+}
+
+/// Histogram boundaries in seconds, from a fast proxied call to a long generation.
+const LATENCY_BOUNDARIES: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// The shared backend snapshot: replaced whole on every set change.
+pub type Snapshot = ArcSwap<Vec<Arc<Backend>>>;
+
+/// The router's instruments and the registry they are exported from.
+pub struct Metrics {
+    registry: prometheus::Registry,
+    provider: SdkMeterProvider,
+    /// Requests forwarded to a backend.
+    pub dispatched: Counter<u64>,
+    /// Oldest queued requests evicted because the queue was full.
+    pub evicted: Counter<u64>,
+    /// Queued requests answered 503 at the queue timeout.
+    pub timeout: Counter<u64>,
+    /// Clients that went away while their request was queued.
+    pub cancelled: Counter<u64>,
+    /// Requests answered 503 at once because no backend could take them.
+    pub rejected: Counter<u64>,
+    /// Dispatch to end of response body.
+    pub request_duration: Histogram<f64>,
+    /// Dispatch to first response body byte.
+    pub time_to_first_byte: Histogram<f64>,
+    /// Time spent in the router queue.
+    pub queue_wait: Histogram<f64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+/// Errors setting up the exporter.
+#[derive(Debug, thiserror::Error)]
+#[error("metrics exporter: {0}")]
+pub struct MetricsError(String);
+
+impl Metrics {
+    /// Creates the instruments; observable ones read `backends` and `queue_depth` at scrape time.
+    pub fn new(
+        backends: Arc<Snapshot>,
+        queue_depth: Arc<AtomicUsize>,
+    ) -> Result<Self, MetricsError> {
+        let registry = prometheus::Registry::new();
+        let exporter = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .without_target_info()
+            .scope_info_enabled(false)
+            .without_units()
+            .build()
+            .map_err(|e| MetricsError(e.to_string()))?;
+        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+        let meter = provider.meter("custom-router");
+        register_observers(&meter, backends, queue_depth);
+
+        let counter = |name: &'static str, description: &'static str| {
+            let counter = meter
+                .u64_counter(name)
+                .with_description(description)
+                .build();
+            counter.add(0, &[]);
+            counter
+        };
+        let histogram = |name: &'static str, description: &'static str| {
+            meter
+                .f64_histogram(name)
+                .with_description(description)
+                .with_boundaries(LATENCY_BOUNDARIES.to_vec())
+                .build()
+        };
+        Ok(Self {
+            dispatched: counter(
+                names::REQUESTS_DISPATCHED,
+                "Requests successfully forwarded",
+            ),
+            evicted: counter(
+                names::REQUESTS_EVICTED,
+                "Requests dropped due to full queue",
+            ),
+            timeout: counter(
+                names::REQUESTS_TIMEOUT,
+                "Requests dropped due to queue timeout",
+            ),
+            cancelled: counter(
+                names::REQUESTS_CANCELLED,
+                "Requests whose client went away while queued",
+            ),
+            rejected: counter(
+                names::REQUESTS_REJECTED,
+                "Requests answered 503 at once because no backend could take them",
+            ),
+            request_duration: histogram(
+                names::REQUEST_DURATION,
+                "Seconds from dispatch to the end of the response body",
+            ),
+            time_to_first_byte: histogram(
+                names::TIME_TO_FIRST_BYTE,
+                "Seconds from dispatch to the first byte of the response body",
+            ),
+            queue_wait: histogram(
+                names::QUEUE_WAIT,
+                "Seconds requests waited in the router queue",
+            ),
+            registry,
+            provider,
+        })
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Result<String, MetricsError> {
+        let mut buffer = Vec::with_capacity(8 * 1024);
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buffer)
+            .map_err(|e| MetricsError(e.to_string()))?;
+        String::from_utf8(buffer).map_err(|e| MetricsError(e.to_string()))
+    }
+}
+
+impl Drop for Metrics {
+    fn drop(&mut self) {
+        let _ = self.provider.shutdown();
+    }
+}
+
+fn addr_label(backend: &Backend) -> KeyValue {
+    KeyValue::new("addr", backend.addr().as_str().to_owned())
+}
+
+fn register_observers(meter: &Meter, backends: Arc<Snapshot>, queue_depth: Arc<AtomicUsize>) {
+    meter
+        .u64_observable_gauge(names::QUEUE_DEPTH)
+        .with_description("Current number of requests waiting in the queue")
+        .with_callback(move |observer| {
+            observer.observe(queue_depth.load(Ordering::Relaxed) as u64, &[]);
+        })
+        .build();
+
+    let snapshot = Arc::clone(&backends);
+    meter
+        .f64_observable_gauge(names::BACKEND_EWMA_LATENCY)
+        .with_description("EWMA latency per backend")
+        .with_callback(move |observer| {
+            for backend in snapshot.load().iter() {
+                if let Some(ewma) = backend.ewma_latency() {
+                    observer.observe(ewma, &[addr_label(backend)]);
+                }
+            }
+        })
+        .build();
+
+    let snapshot = Arc::clone(&backends);
+    meter
+        .u64_observable_gauge(names::BACKEND_INFLIGHT)
+        .with_description("Requests in flight per backend")
+        .with_callback(move |observer| {
+            for backend in snapshot.load().iter() {
+                observer.observe(backend.in_flight() as u64, &[addr_label(backend)]);
+            }
+        })
+        .build();
+
+    let snapshot = Arc::clone(&backends);
+    meter
+        .u64_observable_counter(names::BACKEND_RESPONSES)
+        .with_description("Responses per backend by status class")
+        .with_callback(move |observer| {
+            for backend in snapshot.load().iter() {
+                let addr = addr_label(backend);
+                for (index, class) in STATUS_CLASSES.iter().enumerate() {
+                    let attributes = [addr.clone(), KeyValue::new("class", *class)];
+                    observer.observe(backend.responses(index), &attributes);
+                }
+            }
+        })
+        .build();
+
+    meter
+        .u64_observable_counter(names::UPSTREAM_ERRORS)
+        .with_description("Failed upstream attempts per backend by kind")
+        .with_callback(move |observer| {
+            for backend in backends.load().iter() {
+                let addr = addr_label(backend);
+                for kind in ErrorKind::ALL {
+                    let attributes = [addr.clone(), KeyValue::new("kind", kind.as_str())];
+                    observer.observe(backend.errors(kind), &attributes);
+                }
+            }
+        })
+        .build();
+}

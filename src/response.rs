@@ -1,0 +1,46 @@
+//! Responses the router writes itself: JSON bodies with the right status.
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use http_body_util::{Either, Full};
+
+use crate::balancer::Rejection;
+use crate::body::ResponseBody;
+
+const JSON: HeaderValue = HeaderValue::from_static("application/json");
+
+/// A JSON response with `status`.
+pub fn json(status: StatusCode, value: &serde_json::Value) -> Response<ResponseBody> {
+    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    let mut response = Response::new(Either::Right(Full::new(Bytes::from(body))));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, JSON);
+    response
+}
+
+/// `{"error": message}` with `status`.
+pub fn error(status: StatusCode, message: &str) -> Response<ResponseBody> {
+    json(status, &serde_json::json!({ "error": message }))
+}
+
+/// 503 for a request the router could not place, with `Retry-After`.
+pub fn rejection(rejection: Rejection) -> Response<ResponseBody> {
+    let mut response = json(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &serde_json::json!({ "error": rejection.message(), "reason": reason(rejection) }),
+    );
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+fn reason(rejection: Rejection) -> &'static str {
+    match rejection {
+        Rejection::NoBackend => "no_backend",
+        Rejection::Evicted => "evicted",
+        Rejection::Timeout => "queue_timeout",
+        Rejection::ShuttingDown => "shutting_down",
+    }
+}

@@ -129,7 +129,10 @@ impl FromStr for BackendAddr {
             Authority::from_str(authority_text).map_err(|_| AddrError::Invalid(owned()))?;
         let host = authority.host().to_ascii_lowercase();
         let port = port_text.trim_start_matches('0');
-        debug_assert_eq!(authority.port_u16().map(|p| p.to_string()).as_deref(), Some(port));
+        debug_assert_eq!(
+            authority.port_u16().map(|p| p.to_string()).as_deref(),
+            Some(port)
+        );
         let canonical = format!("{host}:{port}");
         let authority = Authority::from_str(&canonical).map_err(|_| AddrError::Invalid(owned()))?;
         let display = if https {

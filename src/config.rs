@@ -173,9 +173,26 @@ impl ConfigError {
     fn new(location: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             location: location.into(),
-            message: message.into(),
+            message: one_line(&message.into()),
         }
     }
+}
+
+/// Folds a multi-line message (such as a TOML parse error with its source excerpt) into one line,
+/// keeping the text and dropping the excerpt.
+fn one_line(message: &str) -> String {
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|line| {
+            let excerpt = line.starts_with('|')
+                || line
+                    .split_once('|')
+                    .is_some_and(|(number, _)| number.trim().parse::<u32>().is_ok());
+            !line.is_empty() && !excerpt
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A validated configuration with its strategy built.

@@ -1,0 +1,427 @@
+//! Test helpers: fake backends, an in-process router, a child-process router and an HTTP client.
+//!
+//! Every server binds `127.0.0.1:0` first and is spawned after, so there is no port race and no
+//! sleep. Traffic stays on loopback.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use custom_router::Router;
+use custom_router::balancer::Balancer;
+use custom_router::config::{Config, Settings};
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// Body type used by fake backends and the test client.
+pub type TestBody = BoxBody<Bytes, Infallible>;
+
+/// A body of `text`.
+pub fn full(text: impl Into<Bytes>) -> TestBody {
+    Full::new(text.into()).boxed()
+}
+
+/// A response with `status` and `text`.
+pub fn respond(status: StatusCode, text: impl Into<Bytes>) -> Response<TestBody> {
+    let mut response = Response::new(full(text));
+    *response.status_mut() = status;
+    response
+}
+
+/// A fake backend running in this process.
+pub struct FakeBackend {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Requests it has received.
+    pub hits: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl FakeBackend {
+    /// `127.0.0.1:port`.
+    pub fn host_port(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Requests received so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for FakeBackend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts a backend answering every request with `handler` (HTTP/1.1 and h2c).
+pub async fn spawn_backend<F, Fut>(handler: F) -> FakeBackend
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<TestBody>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&hits);
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let handler = handler.clone();
+            let counter = Arc::clone(&counter);
+            tokio::spawn(async move {
+                let service = service_fn(move |request| {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    let response = handler(request);
+                    async move { Ok::<_, Infallible>(response.await) }
+                });
+                let _ = auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    FakeBackend { addr, hits, task }
+}
+
+/// A backend that answers `200 name` to everything, with `x-backend: name`.
+pub async fn named_backend(name: &'static str) -> FakeBackend {
+    spawn_backend(move |_request| async move {
+        let mut response = respond(StatusCode::OK, name);
+        response
+            .headers_mut()
+            .insert("x-backend", http::HeaderValue::from_static(name));
+        response
+    })
+    .await
+}
+
+/// A router running in this process.
+pub struct TestRouter {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its balancer.
+    pub balancer: Arc<Balancer>,
+    shutdown: Option<oneshot::Sender<()>>,
+    /// Finishes when the router has shut down.
+    pub task: Option<JoinHandle<()>>,
+}
+
+impl TestRouter {
+    /// `http://127.0.0.1:port{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Starts graceful shutdown and returns the task to await.
+    pub fn begin_shutdown(&mut self) -> JoinHandle<()> {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        self.task.take().expect("router task")
+    }
+}
+
+impl Drop for TestRouter {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// Starts a router with `config` on `127.0.0.1:0`.
+pub async fn start_router(config: Config) -> TestRouter {
+    let settings = Settings::from_config(config).expect("valid test config");
+    let router = Router::bind_to(settings, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = router.local_addr();
+    let balancer = Arc::clone(router.balancer());
+    let (shutdown, signal) = oneshot::channel::<()>();
+    let task = tokio::spawn(router.serve(async move {
+        let _ = signal.await;
+    }));
+    TestRouter {
+        addr,
+        balancer,
+        shutdown: Some(shutdown),
+        task: Some(task),
+    }
+}
+
+/// A round-robin router config.
+pub fn round_robin() -> Config {
+    let mut config = Config::default();
+    config.strategy.name = "round-robin".to_owned();
+    config
+}
+
+/// An HTTP/1.1 client.
+pub fn client() -> Client<HttpConnector, TestBody> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// An HTTP/2 prior-knowledge (h2c) client.
+pub fn h2c_client() -> Client<HttpConnector, TestBody> {
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new())
+}
+
+/// Sends `request` and returns status, headers and the whole body.
+pub async fn send(request: Request<TestBody>) -> (StatusCode, http::HeaderMap, Bytes) {
+    let response = client().request(request).await.expect("request sent");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body read").to_bytes();
+    (parts.status, parts.headers, body)
+}
+
+/// GET `url`: status and body text.
+pub async fn get(url: &str) -> (StatusCode, String) {
+    let request = Request::get(url).body(full("")).unwrap();
+    let (status, _, body) = send(request).await;
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// GET `url` and parse JSON.
+pub async fn get_json(url: &str) -> (StatusCode, Value) {
+    let (status, body) = get(url).await;
+    (
+        status,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    )
+}
+
+/// POST `body` to `url` and parse the JSON answer.
+pub async fn post_json(url: &str, body: impl Into<Bytes>) -> (StatusCode, Value) {
+    let request = Request::post(url)
+        .header("content-type", "application/json")
+        .body(full(body))
+        .unwrap();
+    let (status, _, body) = send(request).await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// Sets the router's backends over HTTP; panics unless 200.
+pub async fn set_backends(router_addr: SocketAddr, backends: &[String]) -> Value {
+    let body = serde_json::json!({ "backends": backends }).to_string();
+    let (status, answer) = post_json(
+        &format!("http://{router_addr}/_custom_router/set-backends"),
+        body,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    answer
+}
+
+/// The addresses the router's health document lists.
+pub async fn listed_backends(router_addr: SocketAddr) -> Vec<String> {
+    let (_, health) = get_json(&format!("http://{router_addr}/_custom_router/health")).await;
+    health["backends"]
+        .as_array()
+        .expect("backends array")
+        .iter()
+        .map(|b| b["addr"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// A body fed from a channel: each `Bytes` sent becomes one data frame.
+pub struct ChannelBody {
+    receiver: mpsc::Receiver<Bytes>,
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.receiver
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|bytes| Ok(Frame::data(bytes))))
+    }
+}
+
+/// A streaming body and the sender that feeds it.
+pub fn channel_body() -> (mpsc::Sender<Bytes>, TestBody) {
+    let (sender, receiver) = mpsc::channel(1);
+    (sender, ChannelBody { receiver }.boxed())
+}
+
+/// `len` bytes of a deterministic pattern, produced in 64 KiB chunks without holding them all.
+pub struct PatternBody {
+    sent: usize,
+    len: usize,
+}
+
+/// The byte at `offset` of the pattern.
+pub fn pattern_byte(offset: usize) -> u8 {
+    (offset.wrapping_mul(31) ^ (offset >> 11)) as u8
+}
+
+impl PatternBody {
+    /// A pattern body of `len` bytes.
+    pub fn new(len: usize) -> Self {
+        Self { sent: 0, len }
+    }
+}
+
+impl Body for PatternBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.sent >= self.len {
+            return Poll::Ready(None);
+        }
+        let chunk_len = (self.len - self.sent).min(64 * 1024);
+        let start = self.sent;
+        let chunk: Vec<u8> = (start..start + chunk_len).map(pattern_byte).collect();
+        self.sent += chunk_len;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.sent >= self.len
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact((self.len - self.sent) as u64)
+    }
+}
+
+/// The router binary run as a child process, with its stderr log captured.
+pub struct ChildRouter {
+    /// The process.
+    pub child: Child,
+    /// Where it listens (loopback, the port it reported).
+    pub addr: SocketAddr,
+    /// Every log line so far.
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl ChildRouter {
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    }
+
+    /// A field of `/proc/<pid>/status` in KiB (e.g. `VmRSS`, `VmHWM`).
+    pub fn memory_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{field}:")))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("{field} not in /proc status"))
+    }
+
+    /// Waits for the process to exit (up to `limit`) and returns its exit code.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for ChildRouter {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The router binary, with a clean environment plus `env`.
+pub fn router_command(env: &[(&str, &str)]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_custom-router"));
+    command.env_clear();
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command
+}
+
+/// Starts the router binary on a free port with JSON logs and waits for its listening line.
+pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
+    let mut all: Vec<(&str, &str)> = vec![
+        ("CUSTOM_ROUTER_PORT", "0"),
+        ("CUSTOM_ROUTER_LOG_FORMAT", "json"),
+        ("RUST_LOG", "info"),
+    ];
+    all.extend_from_slice(env);
+    let mut child = router_command(&all)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("router binary starts");
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (port_sender, port_receiver) = std::sync::mpsc::channel();
+    let lines = Arc::clone(&log);
+    std::thread::spawn(move || {
+        let mut port_sender = Some(port_sender);
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if let Ok(entry) = serde_json::from_str::<Value>(&line) {
+                if let Some(listen) = entry["listen"].as_str() {
+                    let port: u16 = listen.rsplit(':').next().unwrap().parse().unwrap();
+                    if let Some(sender) = port_sender.take() {
+                        let _ = sender.send(port);
+                    }
+                }
+            }
+            lines.lock().unwrap().push(line);
+        }
+    });
+    let port = port_receiver
+        .recv_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("router did not report its port: {:?}", log.lock().unwrap()));
+    ChildRouter {
+        child,
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        log,
+    }
+}

@@ -277,8 +277,9 @@ impl Balancer {
         }
     }
 
-    /// Records a finished request on its backend and tells the strategy.
-    fn record_outcome(&self, backend: &Backend, finish: &Finish, latency: Duration) {
+    /// Records a finished request on its backend and tells the strategy; returns whether the
+    /// attempt failed.
+    fn record_outcome(&self, backend: &Backend, finish: &Finish, latency: Duration) -> bool {
         let failed = finish.error.is_some() || finish.status.is_some_and(|s| s.is_server_error());
         let measured = latency.as_secs_f64();
         // A failure must never look fast: it counts at least as the latency threshold.
@@ -303,6 +304,7 @@ impl Balancer {
             },
         );
         self.metrics.request_duration.record(measured, &[]);
+        failed
     }
 }
 
@@ -424,14 +426,29 @@ impl Lease {
     }
 
     /// Records how the request ended, then releases the backend.
+    ///
+    /// A failed attempt keeps the backend occupied until `latency_threshold` has passed since
+    /// dispatch, as if it had taken that long: a replica that fails fast must not look free.
     pub fn finish(mut self, finish: Finish) {
         let latency = self.dispatched_at.elapsed();
         if finish.error.is_none() {
             self.mark_first_byte();
         }
-        self.balancer
+        let failed = self
+            .balancer
             .record_outcome(&self.backend, &finish, latency);
-        // Drop releases the in-flight count and lets the queue move.
+        if failed {
+            let threshold = Duration::from_secs_f64(self.balancer.tuning.latency_threshold);
+            let penalty = threshold.saturating_sub(latency);
+            if let (false, Ok(runtime)) = (penalty.is_zero(), tokio::runtime::Handle::try_current())
+            {
+                runtime.spawn(async move {
+                    tokio::time::sleep(penalty).await;
+                    drop(self);
+                });
+            }
+        }
+        // Otherwise dropping releases the in-flight count and lets the queue move.
     }
 
     fn release_locked(mut self) {

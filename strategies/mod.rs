@@ -17,15 +17,19 @@ use std::sync::Arc;
 use figment::value::Value;
 use http::Method;
 
+pub use queued_least_latency::QueuedLeastLatency;
+pub use round_robin::RoundRobin;
+
 use crate::backend::Backend;
 
+mod queued_least_latency;
 mod round_robin;
 
 /// Every registered strategy. The config name maps to its factory here and nowhere else.
-pub const REGISTRY: &[StrategyEntry] = &[round_robin::ENTRY];
+pub const REGISTRY: &[StrategyEntry] = &[queued_least_latency::ENTRY, round_robin::ENTRY];
 
 /// The strategy used when the configuration names none.
-pub const DEFAULT_STRATEGY: &str = round_robin::ENTRY.name;
+pub const DEFAULT_STRATEGY: &str = queued_least_latency::ENTRY.name;
 
 /// What a strategy sees of the request it routes.
 #[derive(Debug, Clone)]

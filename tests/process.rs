@@ -45,6 +45,7 @@ fn defaults_then_file_then_environment() {
     assert_eq!(config["queue_timeout"], 1200.0);
     assert_eq!(config["ewma_alpha"], 0.3);
     assert_eq!(config["state_log_interval"], 30.0);
+    assert_eq!(config["strategy"]["name"], "queued-least-latency");
 
     let file = config_file(
         "layers.toml",

@@ -223,7 +223,9 @@ async fn unreachable_backend_answers_502_json() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap()
     };
-    let router = start_router(round_robin()).await;
+    let mut config = round_robin();
+    config.latency_threshold = 0.2;
+    let router = start_router(config).await;
     set_backends(router.addr, &[closed.to_string()]).await;
     let started = std::time::Instant::now();
     let (status, body) = get(&router.url("/generate")).await;
@@ -237,13 +239,25 @@ async fn unreachable_backend_answers_502_json() {
             .contains(&closed.to_string()),
         "{body}"
     );
-    // The failure is counted and released.
     let backend = &router.balancer.backends()[0];
-    assert_eq!(backend.in_flight(), 0);
     assert_eq!(
         backend.errors(custom_router::backend::ErrorKind::Connect),
         1
     );
+    assert_eq!(
+        backend.ewma_latency(),
+        Some(0.2),
+        "a failure counts as the threshold"
+    );
+    // The failed attempt holds its slot for the threshold, then releases it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while backend.in_flight() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "in-flight never released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test]

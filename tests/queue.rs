@@ -1,0 +1,359 @@
+//! The core queue and the queued-least-latency rules, driven through the balancer with paused
+//! tokio time (no sockets: the rules are about counts and clocks).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use custom_router::backend::{Backend, ErrorKind};
+use custom_router::balancer::{Balancer, Finish, Lease, Rejection};
+use custom_router::config::{Config, Settings};
+use custom_router::strategies::RequestInfo;
+use http::StatusCode;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, advance};
+
+const OK: Finish = Finish {
+    status: Some(StatusCode::OK),
+    error: None,
+};
+
+fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
+    let mut config = Config::default();
+    config.strategy.name = "queued-least-latency".to_owned();
+    configure(&mut config);
+    Balancer::new(&Settings::from_config(config).unwrap()).unwrap()
+}
+
+fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {
+    let addrs = addrs.iter().map(|a| a.parse().unwrap()).collect();
+    balancer.set_backends(addrs).to_vec()
+}
+
+/// Admits at once or panics: the fast path must not wait.
+async fn admit_now(balancer: &Arc<Balancer>) -> Lease {
+    let admitted = tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default()))
+        .await
+        .expect("admitted without waiting");
+    admitted.expect("a lease")
+}
+
+/// Starts an admission in the background and lets it reach the queue.
+async fn admit_later(balancer: &Arc<Balancer>) -> JoinHandle<Result<Lease, Rejection>> {
+    let balancer = Arc::clone(balancer);
+    let task = tokio::spawn(async move { balancer.admit(RequestInfo::default()).await });
+    settle().await;
+    task
+}
+
+async fn settle() {
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Finishes `lease` successfully after `latency` of paused time.
+async fn finish_after(lease: Lease, latency: Duration) {
+    advance(latency).await;
+    lease.finish(OK);
+    settle().await;
+}
+
+fn counter(balancer: &Balancer, name: &str) -> f64 {
+    let text = balancer.metrics().render().unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in metrics"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule1_a_never_measured_idle_backend_is_probed_first() {
+    let balancer = balancer(|_| {});
+    let [fast, fresh] = &with_backends(&balancer, &["a:1", "b:1"])[..] else {
+        unreachable!()
+    };
+    // Measure `fast` (its first pick is a probe too, then it has a sample).
+    let lease = admit_now(&balancer).await;
+    let first = Arc::clone(lease.backend());
+    finish_after(lease, Duration::from_millis(10)).await;
+    let other = if Arc::ptr_eq(&first, fast) {
+        fresh
+    } else {
+        fast
+    };
+    // The unmeasured one scores 0 and wins over a 10 ms EWMA.
+    let lease = admit_now(&balancer).await;
+    assert!(Arc::ptr_eq(lease.backend(), other));
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule2_a_never_measured_busy_backend_waits_for_its_first_result() {
+    let balancer = balancer(|_| {});
+    let backends = with_backends(&balancer, &["a:1"]);
+    let probe = admit_now(&balancer).await;
+    let waiting = admit_later(&balancer).await;
+    assert_eq!(balancer.queue_depth(), 1);
+    assert!(!waiting.is_finished());
+    finish_after(probe, Duration::from_millis(100)).await;
+    let lease = waiting.await.unwrap().unwrap();
+    assert!(Arc::ptr_eq(lease.backend(), &backends[0]));
+    assert_eq!(balancer.queue_depth(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule3_a_measured_idle_backend_is_used_even_above_the_threshold() {
+    let balancer = balancer(|c| c.latency_threshold = 3.0);
+    let backends = with_backends(&balancer, &["a:1"]);
+    finish_after(admit_now(&balancer).await, Duration::from_secs(10)).await;
+    assert_eq!(backends[0].ewma_latency(), Some(10.0));
+    let lease = admit_now(&balancer).await;
+    assert!(Arc::ptr_eq(lease.backend(), &backends[0]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule4_a_busy_backend_needs_a_low_ewma_and_ramp_up_room() {
+    // Low EWMA: 1 completed allows up to 5 in flight (ramp_up_factor 5), the 6th waits.
+    let balancer = balancer(|_| {});
+    let backends = with_backends(&balancer, &["a:1"]);
+    finish_after(admit_now(&balancer).await, Duration::from_millis(200)).await;
+    let mut leases = Vec::new();
+    for _ in 0..5 {
+        leases.push(admit_now(&balancer).await);
+    }
+    assert_eq!(backends[0].in_flight(), 5);
+    let sixth = admit_later(&balancer).await;
+    assert_eq!(balancer.queue_depth(), 1);
+    leases.pop().unwrap().finish(OK);
+    settle().await;
+    assert!(sixth.await.unwrap().is_ok());
+
+    // EWMA at or above the threshold: a busy backend takes nothing more.
+    let balancer = self::balancer(|c| c.latency_threshold = 3.0);
+    let backends = with_backends(&balancer, &["a:1"]);
+    finish_after(admit_now(&balancer).await, Duration::from_secs(4)).await;
+    let busy = admit_now(&balancer).await;
+    let next = admit_later(&balancer).await;
+    assert_eq!(backends[0].in_flight(), 1);
+    assert_eq!(balancer.queue_depth(), 1);
+    finish_after(busy, Duration::from_secs(4)).await;
+    assert!(next.await.unwrap().is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule5_lowest_ewma_wins_and_equal_backends_take_turns() {
+    let balancer = balancer(|_| {});
+    let backends = with_backends(&balancer, &["a:1", "b:1", "c:1"]);
+    // Measure all three: a = 300 ms, b = 100 ms, c = 100 ms.
+    let mut probes = Vec::new();
+    for _ in 0..3 {
+        probes.push(admit_now(&balancer).await);
+    }
+    probes.sort_by_key(|lease| lease.backend().addr().to_string());
+    let mut probes = probes.into_iter();
+    let a = probes.next().unwrap();
+    advance(Duration::from_millis(100)).await;
+    probes.next().unwrap().finish(OK);
+    probes.next().unwrap().finish(OK);
+    finish_after(a, Duration::from_millis(200)).await;
+    let mut picks = Vec::new();
+    for _ in 0..4 {
+        let lease = admit_now(&balancer).await;
+        picks.push(lease.backend().addr().to_string());
+        // Not finished: each pick leaves its backend busy, so turns are by in-flight then rotation.
+        std::mem::forget(lease);
+    }
+    assert_eq!(
+        picks[..2].iter().filter(|p| *p == "b:1").count(),
+        1,
+        "{picks:?}"
+    );
+    assert_eq!(
+        picks[..2].iter().filter(|p| *p == "c:1").count(),
+        1,
+        "{picks:?}"
+    );
+    assert!(!picks[..2].contains(&"a:1".to_owned()), "{picks:?}");
+    assert_eq!(
+        backends[0].in_flight() + backends[1].in_flight() + backends[2].in_flight(),
+        4
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_evicts_the_oldest_waiter_with_503() {
+    let balancer = balancer(|c| c.queue_max_size = 2);
+    with_backends(&balancer, &["a:1"]);
+    let _probe = admit_now(&balancer).await;
+    let oldest = admit_later(&balancer).await;
+    let second = admit_later(&balancer).await;
+    let third = admit_later(&balancer).await;
+    assert_eq!(oldest.await.unwrap().unwrap_err(), Rejection::Evicted);
+    assert_eq!(balancer.queue_depth(), 2);
+    assert!(!second.is_finished() && !third.is_finished());
+    assert_eq!(
+        counter(&balancer, "custom_router_requests_evicted_total"),
+        1.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_past_the_queue_timeout_gets_503_at_the_deadline() {
+    let balancer = balancer(|c| c.queue_timeout = 5.0);
+    with_backends(&balancer, &["a:1"]);
+    let _probe = admit_now(&balancer).await;
+    let started = Instant::now();
+    let outcome = balancer.admit(RequestInfo::default()).await;
+    let waited = started.elapsed();
+    assert_eq!(outcome.unwrap_err(), Rejection::Timeout);
+    assert!(
+        waited >= Duration::from_millis(4990) && waited <= Duration::from_millis(5010),
+        "{waited:?}"
+    );
+    assert_eq!(balancer.queue_depth(), 0);
+    assert_eq!(
+        counter(&balancer, "custom_router_requests_timeout_total"),
+        1.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_are_dispatched_in_arrival_order() {
+    // Answers slower than the threshold: the backend takes one request at a time (rules 3 and 4),
+    // so each finish lets exactly one waiter go.
+    let balancer = balancer(|c| c.latency_threshold = 0.01);
+    with_backends(&balancer, &["a:1"]);
+    let mut lease = admit_now(&balancer).await;
+    let mut waiters = Vec::new();
+    for _ in 0..20 {
+        waiters.push(admit_later(&balancer).await);
+    }
+    assert_eq!(balancer.queue_depth(), 20);
+    for (index, waiter) in waiters.into_iter().enumerate() {
+        advance(Duration::from_millis(50)).await;
+        lease.finish(OK);
+        settle().await;
+        assert_eq!(balancer.queue_depth(), 19 - index);
+        lease = waiter.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_gone_while_queued_is_never_dispatched() {
+    let balancer = balancer(|_| {});
+    let backends = with_backends(&balancer, &["a:1"]);
+    let probe = admit_now(&balancer).await;
+    let gone = admit_later(&balancer).await;
+    let stays = admit_later(&balancer).await;
+    gone.abort();
+    settle().await;
+    assert_eq!(balancer.queue_depth(), 1);
+    assert_eq!(
+        counter(&balancer, "custom_router_requests_cancelled_total"),
+        1.0
+    );
+    finish_after(probe, Duration::from_millis(10)).await;
+    let lease = stays.await.unwrap().unwrap();
+    assert_eq!(
+        backends[0].in_flight(),
+        1,
+        "only the live waiter holds the backend"
+    );
+    drop(lease);
+    assert_eq!(backends[0].in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_backend() {
+    let balancer = balancer(|c| c.latency_threshold = 2.0);
+    let backends = with_backends(&balancer, &["dead:1", "live:1"]);
+    // Both probed; the dead one fails in 1 ms, the live one answers in 50 ms.
+    let first = admit_now(&balancer).await;
+    let second = admit_now(&balancer).await;
+    let (dead, live) = if first.backend().addr().as_str() == "dead:1" {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    advance(Duration::from_millis(1)).await;
+    dead.finish(Finish {
+        status: None,
+        error: Some(ErrorKind::Connect),
+    });
+    finish_after(live, Duration::from_millis(49)).await;
+    assert_eq!(backends[0].ewma_latency(), Some(2.0));
+    assert_eq!(
+        backends[0].in_flight(),
+        1,
+        "held for the rest of the threshold"
+    );
+    // Every request now goes to the live backend, even concurrently.
+    for _ in 0..4 {
+        let lease = admit_now(&balancer).await;
+        assert_eq!(lease.backend().addr().as_str(), "live:1");
+        std::mem::forget(lease);
+    }
+    advance(Duration::from_secs(2)).await;
+    settle().await;
+    assert_eq!(backends[0].in_flight(), 0);
+
+    // A 5xx answer is a failure too.
+    let balancer = self::balancer(|c| c.latency_threshold = 2.0);
+    let backends = with_backends(&balancer, &["a:1"]);
+    let lease = admit_now(&balancer).await;
+    advance(Duration::from_millis(5)).await;
+    lease.finish(Finish {
+        status: Some(StatusCode::INTERNAL_SERVER_ERROR),
+        error: None,
+    });
+    assert_eq!(backends[0].ewma_latency(), Some(2.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_request_gives_no_sample_but_releases_its_slot() {
+    let balancer = balancer(|_| {});
+    let backends = with_backends(&balancer, &["a:1"]);
+    let lease = admit_now(&balancer).await;
+    advance(Duration::from_millis(30)).await;
+    drop(lease);
+    assert_eq!(backends[0].ewma_latency(), None);
+    assert_eq!(backends[0].completed(), 0);
+    assert_eq!(backends[0].in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_removed_and_added_again_starts_with_no_in_flight() {
+    let balancer = balancer(|_| {});
+    let before = with_backends(&balancer, &["a:1"]);
+    let lease = admit_now(&balancer).await;
+    with_backends(&balancer, &[]);
+    let after = with_backends(&balancer, &["a:1"]);
+    assert!(!Arc::ptr_eq(&before[0], &after[0]));
+    assert_eq!(after[0].in_flight(), 0);
+    // The old request finishes normally on the old entry.
+    lease.finish(OK);
+    assert_eq!(before[0].in_flight(), 0);
+    assert_eq!(after[0].in_flight(), 0);
+    // And the new entry is probed afresh.
+    assert!(Arc::ptr_eq(admit_now(&balancer).await.backend(), &after[0]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn queued_requests_go_out_when_backends_arrive() {
+    let balancer = balancer(|_| {});
+    let waiting = admit_later(&balancer).await;
+    assert_eq!(balancer.queue_depth(), 1);
+    with_backends(&balancer, &["a:1"]);
+    settle().await;
+    assert!(waiting.await.unwrap().is_ok());
+    assert_eq!(balancer.queue_depth(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn completed_is_capped_at_two_fifths_of_the_queue_size() {
+    let balancer = balancer(|c| c.queue_max_size = 10);
+    let backends = with_backends(&balancer, &["a:1"]);
+    for _ in 0..10 {
+        finish_after(admit_now(&balancer).await, Duration::from_millis(1)).await;
+    }
+    assert_eq!(backends[0].completed(), 4);
+}

@@ -15,6 +15,8 @@ use std::time::Duration;
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Value};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
 use serde::{Deserialize, Serialize};
 
 use crate::strategies::{self, Strategy, StrategyContext};
@@ -78,6 +80,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "seconds allowed to open a connection to a backend",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_TLS_CA_FILE",
+        key: "tls_ca_file",
+        help: "PEM file of extra CA certificates trusted for https:// backends",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_LOG_FORMAT",
         key: "log_format",
         help: "log line format: text or json",
@@ -138,6 +145,9 @@ pub struct Config {
     pub shutdown_timeout: f64,
     /// Seconds allowed to connect to a backend.
     pub connect_timeout: f64,
+    /// PEM file with extra CA certificates for `https://` backends (the system store is always
+    /// trusted).
+    pub tls_ca_file: Option<PathBuf>,
     /// Log line format.
     pub log_format: LogFormat,
 }
@@ -154,6 +164,7 @@ impl Default for Config {
             state_log_interval: 30.0,
             shutdown_timeout: 30.0,
             connect_timeout: 5.0,
+            tls_ca_file: None,
             log_format: LogFormat::Text,
         }
     }
@@ -204,6 +215,8 @@ pub struct Settings {
     pub strategy: Arc<dyn Strategy>,
     /// Where the file layer came from, if any.
     pub config_file: Option<PathBuf>,
+    /// Certificates read from `tls_ca_file`.
+    pub extra_ca_certs: Vec<CertificateDer<'static>>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -219,12 +232,15 @@ impl std::fmt::Debug for Settings {
 impl Settings {
     /// Validates `config` and builds its strategy.
     pub fn from_config(config: Config) -> Result<Self, ConfigError> {
-        validate(&config, &|key| key_location(key, None))?;
+        let locate = |key: &str| key_location(key, None);
+        validate(&config, &locate)?;
         let strategy = build_strategy(&config, None)?;
+        let extra_ca_certs = read_ca_file(&config, &locate)?;
         Ok(Self {
             config,
             strategy,
             config_file: None,
+            extra_ca_certs,
         })
     }
 
@@ -254,16 +270,17 @@ impl Settings {
 /// `file` is the `--config` flag; when absent `CUSTOM_ROUTER_CONFIG` is used. A named file that
 /// does not exist is an error.
 pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+    let from_flag = file.is_some();
     let file = file
         .map(Path::to_path_buf)
         .or_else(|| std::env::var_os(CONFIG_FILE_ENV).map(PathBuf::from));
     let mut figment = Figment::from(Serialized::defaults(Config::default()));
     if let Some(path) = &file {
         if !path.is_file() {
-            let location = if std::env::var_os(CONFIG_FILE_ENV).is_some() {
-                CONFIG_FILE_ENV.to_owned()
-            } else {
+            let location = if from_flag {
                 "--config".to_owned()
+            } else {
+                CONFIG_FILE_ENV.to_owned()
             };
             return Err(ConfigError::new(
                 location,
@@ -282,10 +299,12 @@ pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
     let locate = |key: &str| key_location(key, file.as_deref());
     validate(&config, &locate)?;
     let strategy = build_strategy(&config, file.as_deref())?;
+    let extra_ca_certs = read_ca_file(&config, &locate)?;
     Ok(Settings {
         config,
         strategy,
         config_file: file,
+        extra_ca_certs,
     })
 }
 
@@ -379,6 +398,27 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ));
     }
     Ok(())
+}
+
+fn read_ca_file(
+    config: &Config,
+    locate: &dyn Fn(&str) -> String,
+) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    let Some(path) = &config.tls_ca_file else {
+        return Ok(Vec::new());
+    };
+    let fail = |what: String| ConfigError::new(locate("tls_ca_file"), what);
+    let certs: Vec<_> = CertificateDer::pem_file_iter(path)
+        .map_err(|e| fail(format!("cannot read PEM file {}: {e}", path.display())))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| fail(format!("invalid PEM in {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(fail(format!(
+            "expected at least one certificate in {}",
+            path.display()
+        )));
+    }
+    Ok(certs)
 }
 
 fn build_strategy(config: &Config, file: Option<&Path>) -> Result<Arc<dyn Strategy>, ConfigError> {

@@ -1,6 +1,6 @@
 //! The `custom-router` binary: parse flags, load configuration, serve until SIGTERM/SIGINT.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -52,7 +52,10 @@ fn main() -> ExitCode {
     };
     if cli.check_config {
         match serde_json::to_string_pretty(&settings.config) {
-            Ok(text) => println!("{text}"),
+            Ok(text) => {
+                // A closed pipe (e.g. `| head`) is not an error worth a panic.
+                let _ = writeln!(std::io::stdout(), "{text}");
+            }
             Err(error) => {
                 eprintln!("custom-router: cannot print configuration: {error}");
                 return ExitCode::from(CONFIG_ERROR);

@@ -8,6 +8,7 @@
 
 use std::error::Error as _;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -15,17 +16,19 @@ use http::uri::{PathAndQuery, Uri};
 use http::{Request, Response, StatusCode, Version};
 use http_body_util::Either;
 use hyper::body::Incoming;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls::pki_types::CertificateDer;
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
 use crate::body::{ObservedBody, ResponseBody};
 use crate::response;
 
-/// The pooled HTTP/1.1 client used for every backend.
-pub type UpstreamClient = Client<HttpConnector, Incoming>;
+/// The pooled HTTP/1.1 client used for every backend (`https://` backends over rustls).
+pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Incoming>;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -45,16 +48,41 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 ];
 
 /// Builds the upstream client: keep-alive pool reaped in the background, `TCP_NODELAY`, connect
-/// timeout.
-pub fn client(connect_timeout: Duration) -> UpstreamClient {
+/// timeout; TLS for `https://` backends trusting the system store plus `extra_ca_certs`.
+pub fn client(
+    connect_timeout: Duration,
+    extra_ca_certs: &[CertificateDer<'static>],
+) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(connect_timeout));
     connector.enforce_http(false);
+    let connector = HttpsConnectorBuilder::new()
+        .with_tls_config(tls_config(extra_ca_certs))
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .build(connector)
+}
+
+fn tls_config(extra_ca_certs: &[CertificateDer<'static>]) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    let (added, _ignored) = roots.add_parsable_certificates(native.certs);
+    let (extra, _) = roots.add_parsable_certificates(extra_ca_certs.iter().cloned());
+    tracing::debug!(
+        system = added,
+        extra,
+        "trusted CA certificates for https backends"
+    );
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("the ring provider supports the default protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
 }
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
@@ -136,7 +164,8 @@ pub async fn forward(
     parts.uri = match uri {
         Ok(uri) => uri,
         Err(_) => {
-            lease.finish(Finish::default());
+            // Never sent: the lease is dropped without a sample.
+            drop(lease);
             return response::error(
                 StatusCode::BAD_REQUEST,
                 "request target cannot be forwarded",
@@ -149,6 +178,8 @@ pub async fn forward(
         Ok(upstream) => {
             let (mut parts, body) = upstream.into_parts();
             remove_hop_by_hop(&mut parts.headers);
+            // The client gets the router's own protocol version, whatever the backend spoke.
+            parts.version = Version::default();
             let status = parts.status;
             Response::from_parts(parts, Either::Left(ObservedBody::new(body, lease, status)))
         }

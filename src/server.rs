@@ -83,7 +83,7 @@ impl Router {
 
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = Balancer::new(&settings)?;
-        let client = proxy::client(settings.connect_timeout());
+        let client = proxy::client(settings.connect_timeout(), &settings.extra_ca_certs);
         Ok(Self {
             shared: Arc::new(Shared { balancer, client }),
             listener,

@@ -1,0 +1,115 @@
+//! The documentation tables match the code: every environment variable, exported metric and
+//! registered strategy is documented, and every example config file is valid.
+
+mod common;
+
+use std::sync::Arc;
+
+use custom_router::balancer::Balancer;
+use custom_router::config::{Config, ENV_VARS, Settings};
+use custom_router::strategies::REGISTRY;
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn every_environment_variable_is_documented() {
+    let readme = read("README.md");
+    let configuration = read("docs/configuration.md");
+    let default_toml = read("config/default.toml");
+    for var in ENV_VARS {
+        assert!(
+            readme.contains(&format!("`{}`", var.name)),
+            "README lacks {}",
+            var.name
+        );
+        assert!(
+            configuration.contains(var.name),
+            "docs/configuration.md lacks {}",
+            var.name
+        );
+        let key = var.key.rsplit('.').next().unwrap();
+        assert!(
+            default_toml.contains(key),
+            "config/default.toml lacks {key}"
+        );
+    }
+}
+
+#[test]
+fn every_exported_metric_is_documented() {
+    let settings = Settings::from_config(Config::default()).unwrap();
+    let balancer: Arc<Balancer> = Balancer::new(&settings).unwrap();
+    let backends = balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
+    backends[0].record_latency(0.1, 0.3);
+    let metrics = balancer.metrics();
+    for histogram in [
+        &metrics.request_duration,
+        &metrics.time_to_first_byte,
+        &metrics.queue_wait,
+    ] {
+        histogram.record(0.1, &[]);
+    }
+    let text = balancer.metrics().render().unwrap();
+    let names: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .collect();
+    assert!(names.len() >= 13, "{names:?}");
+    let readme = read("README.md");
+    let metrics = read("docs/metrics.md");
+    for name in names {
+        assert!(readme.contains(&format!("`{name}`")), "README lacks {name}");
+        assert!(
+            metrics.contains(&format!("`{name}`")),
+            "docs/metrics.md lacks {name}"
+        );
+    }
+}
+
+#[test]
+fn every_strategy_is_documented_with_an_example_config() {
+    let readme = read("README.md");
+    let strategies = read("docs/strategies.md");
+    for entry in REGISTRY {
+        let name = entry.name;
+        assert!(readme.contains(&format!("`{name}`")), "README lacks {name}");
+        assert!(
+            strategies.contains(&format!("## {name}")),
+            "docs/strategies.md lacks a {name} section"
+        );
+        let example = read(&format!("config/{name}.toml"));
+        assert!(
+            example.contains(&format!("name = \"{name}\"")),
+            "config/{name}.toml selects another strategy"
+        );
+    }
+}
+
+#[test]
+fn every_example_config_is_valid() {
+    let dir = format!("{}/config", env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let output = common::router_command(&[])
+                .arg("--config")
+                .arg(&path)
+                .arg("--check-config")
+                .output()
+                .unwrap();
+            assert!(
+                output.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3);
+}

@@ -352,10 +352,16 @@ impl Drop for Waiting<'_> {
 }
 
 impl Balancer {
-    /// Takes a waiter out of the queue; `false` if it was already dispatched or evicted.
-    fn remove_waiter(&self, seq: u64) -> bool {
+    /// Takes a waiter out of the queue; `false` if it was already dispatched or evicted. When the
+    /// head leaves, the new head gets its chance (a strategy may place it where it could not place
+    /// the old one).
+    fn remove_waiter(self: &Arc<Self>, seq: u64) -> bool {
         let mut queue = self.lock();
+        let was_head = queue.waiters.front().is_some_and(|head| head.seq == seq);
         let removed = queue.remove(seq).is_some();
+        if was_head {
+            self.dispatch_locked(&mut queue);
+        }
         self.queue_depth
             .store(queue.waiters.len(), Ordering::SeqCst);
         removed

@@ -232,3 +232,28 @@ async fn metrics_use_the_reference_names_and_drop_removed_backends() {
     );
     assert!(text.contains("# TYPE custom_router_queue_depth gauge"));
 }
+
+#[tokio::test]
+async fn a_removed_backend_finishes_its_in_flight_requests() {
+    let (started_sender, mut started) = tokio::sync::mpsc::channel::<()>(1);
+    let backend = spawn_backend(move |_request| {
+        let started = started_sender.clone();
+        async move {
+            let _ = started.send(()).await;
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            respond(StatusCode::OK, "done")
+        }
+    })
+    .await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let url = router.url("/slow");
+    let in_flight = tokio::spawn(async move { get(&url).await });
+    started.recv().await.unwrap();
+    set_backends(router.addr, &[]).await;
+    assert!(listed_backends(router.addr).await.is_empty());
+    assert_eq!(
+        in_flight.await.unwrap(),
+        (StatusCode::OK, "done".to_owned())
+    );
+}

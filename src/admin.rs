@@ -2,15 +2,19 @@
 
 use std::sync::Arc;
 
-use http::header::{ALLOW, CONTENT_TYPE, HeaderValue};
+use std::net::IpAddr;
+
+use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
+use tokio::time::Instant;
 
 use crate::backend::{Backend, BackendAddr};
 use crate::balancer::Balancer;
 use crate::body::ResponseBody;
+use crate::cidr::Cidr;
 use crate::response;
 
 /// Every admin path starts with this.
@@ -33,9 +37,76 @@ pub fn is_admin_path(path: &str) -> bool {
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
+/// Optional protections of the admin API (both off by default: the platform sends no
+/// credentials).
+#[derive(Debug, Clone, Default)]
+pub struct AdminPolicy {
+    /// Bearer token that set-backends requires.
+    pub token: Option<String>,
+    /// Networks every backend address must be in; empty allows any address.
+    pub allowed_networks: Vec<Cidr>,
+}
+
+impl AdminPolicy {
+    /// Whether the request carries the configured bearer token (or none is configured).
+    fn authorizes(&self, request: &Request<Incoming>) -> bool {
+        let Some(token) = &self.token else {
+            return true;
+        };
+        let presented = request
+            .headers()
+            .get(AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| {
+                let (scheme, token) = value.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(token)
+            })
+            .unwrap_or("");
+        constant_time_eq(presented.trim().as_bytes(), token.as_bytes())
+    }
+
+    /// Checks every address against the allow-list; the error names the entry.
+    fn check_networks(&self, addrs: &[BackendAddr]) -> Result<(), String> {
+        if self.allowed_networks.is_empty() {
+            return Ok(());
+        }
+        for (index, addr) in addrs.iter().enumerate() {
+            let host = addr
+                .authority()
+                .host()
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let Ok(ip) = host.parse::<IpAddr>() else {
+                return Err(format!(
+                    "backends[{index}]: {addr} is a host name; only IP addresses in the allowed networks are accepted"
+                ));
+            };
+            if !self
+                .allowed_networks
+                .iter()
+                .any(|network| network.contains(ip))
+            {
+                return Err(format!(
+                    "backends[{index}]: {addr} is outside the allowed networks"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Compares two byte strings in time that depends only on their lengths.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Answers one admin request.
 pub async fn handle(
     balancer: &Arc<Balancer>,
+    policy: &AdminPolicy,
     request: Request<Incoming>,
 ) -> Response<ResponseBody> {
     let allowed = match request.uri().path() {
@@ -56,16 +127,31 @@ pub async fn handle(
         return answer;
     }
     match request.uri().path() {
-        SET_BACKENDS => set_backends(balancer, request).await,
-        HEALTH => response::json(StatusCode::OK, &health(balancer)),
+        SET_BACKENDS => set_backends(balancer, policy, request).await,
+        HEALTH => {
+            let status = if balancer.is_draining() {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::OK
+            };
+            response::json(status, &health(balancer))
+        }
         _ => metrics(balancer),
     }
 }
 
 async fn set_backends(
     balancer: &Arc<Balancer>,
+    policy: &AdminPolicy,
     request: Request<Incoming>,
 ) -> Response<ResponseBody> {
+    if !policy.authorizes(&request) {
+        let mut answer = response::error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+        answer
+            .headers_mut()
+            .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return answer;
+    }
     let body = match Limited::new(request.into_body(), MAX_BODY_BYTES)
         .collect()
         .await
@@ -84,7 +170,10 @@ async fn set_backends(
             );
         }
     };
-    let addrs = match parse_backends(&body) {
+    let addrs = match parse_backends(&body).and_then(|addrs| {
+        policy.check_networks(&addrs)?;
+        Ok(addrs)
+    }) {
         Ok(addrs) => addrs,
         Err(message) => return response::error(StatusCode::BAD_REQUEST, &message),
     };
@@ -125,26 +214,34 @@ pub fn parse_backends(body: &[u8]) -> Result<Vec<BackendAddr>, String> {
         .collect()
 }
 
-fn backend_json(backend: &Backend) -> Value {
+fn backend_json(backend: &Backend, now: Instant) -> Value {
+    let availability = backend.availability();
     json!({
         "addr": backend.addr().as_str(),
         "in_flight": backend.in_flight(),
         "ewma_latency": backend.ewma_latency(),
         "completed": backend.completed(),
+        "ejected": availability.is_ejected(),
+        "paused": availability.is_paused(now),
     })
 }
 
-/// The health document: `ok`, `strategy`, `queue_depth` and per-backend state.
+/// The health document: `ok`, `strategy`, `queue_depth` and per-backend state; while draining
+/// `ok` is false and `draining` true.
 pub fn health(balancer: &Balancer) -> Value {
+    let now = Instant::now();
     let backends: Vec<Value> = balancer
         .backends()
         .iter()
-        .map(|b| backend_json(b))
+        .map(|b| backend_json(b, now))
         .collect();
+    let draining = balancer.is_draining();
     json!({
-        "ok": true,
+        "ok": !draining,
+        "draining": draining,
         "strategy": balancer.strategy().name(),
         "queue_depth": balancer.queue_depth(),
+        "panic_mode": balancer.in_panic_mode(),
         "backends": backends,
     })
 }

@@ -7,7 +7,10 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use tokio::time::Instant;
 
 use http::uri::{Authority, Scheme};
 
@@ -160,11 +163,18 @@ pub enum ErrorKind {
     ConnectTimeout,
     /// The connection failed while the request or response was in transit.
     Io,
+    /// The response headers did not arrive within the first-byte timeout.
+    FirstByteTimeout,
 }
 
 impl ErrorKind {
     /// Every kind, in the order of their counters.
-    pub const ALL: [ErrorKind; 3] = [ErrorKind::Connect, ErrorKind::ConnectTimeout, ErrorKind::Io];
+    pub const ALL: [ErrorKind; 4] = [
+        ErrorKind::Connect,
+        ErrorKind::ConnectTimeout,
+        ErrorKind::Io,
+        ErrorKind::FirstByteTimeout,
+    ];
 
     /// The metric label value.
     pub fn as_str(self) -> &'static str {
@@ -172,7 +182,43 @@ impl ErrorKind {
             ErrorKind::Connect => "connect",
             ErrorKind::ConnectTimeout => "connect_timeout",
             ErrorKind::Io => "io",
+            ErrorKind::FirstByteTimeout => "first_byte_timeout",
         }
+    }
+
+    /// Whether the backend can have received none of the request (safe to retry for any method).
+    pub fn before_request_sent(self) -> bool {
+        matches!(self, ErrorKind::Connect | ErrorKind::ConnectTimeout)
+    }
+}
+
+/// Availability of a backend, kept by the core: ejection after repeated failures, pauses after
+/// "busy" answers, and the start of its slow-start ramp.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Availability {
+    /// Ejected until then (still ejected after it while a readmission probe is due or running).
+    pub ejected_until: Option<Instant>,
+    /// How many times it was ejected in the current series (sets the next ejection's length).
+    pub ejections: u32,
+    /// When it was last ejected.
+    pub last_ejected_at: Option<Instant>,
+    /// A readmission probe is running.
+    pub probing: bool,
+    /// Paused (busy) until then.
+    pub paused_until: Option<Instant>,
+    /// When its slow-start ramp began (added or readmitted).
+    pub ramp_from: Option<Instant>,
+}
+
+impl Availability {
+    /// Whether it is ejected at `now` (an expired ejection awaiting readmission still counts).
+    pub fn is_ejected(&self) -> bool {
+        self.ejected_until.is_some()
+    }
+
+    /// Whether it is paused at `now`.
+    pub fn is_paused(&self, now: Instant) -> bool {
+        self.paused_until.is_some_and(|until| until > now)
     }
 }
 
@@ -181,25 +227,76 @@ const NO_SAMPLE: u64 = u64::MAX;
 /// One backend and the statistics the core keeps for it. All counters are lock-free.
 #[derive(Debug)]
 pub struct Backend {
+    id: u64,
     addr: BackendAddr,
     in_flight: AtomicUsize,
     completed: AtomicU64,
     ewma_bits: AtomicU64,
     responses: [AtomicU64; 5],
-    errors: [AtomicU64; 3],
+    errors: [AtomicU64; 4],
+    consecutive_failures: AtomicU32,
+    ejections_total: AtomicU64,
+    availability: Mutex<Availability>,
 }
 
 impl Backend {
     /// A backend with no history.
     pub fn new(addr: BackendAddr) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             addr,
             in_flight: AtomicUsize::new(0),
             completed: AtomicU64::new(0),
             ewma_bits: AtomicU64::new(NO_SAMPLE),
             responses: Default::default(),
             errors: Default::default(),
+            consecutive_failures: AtomicU32::new(0),
+            ejections_total: AtomicU64::new(0),
+            availability: Mutex::new(Availability {
+                ramp_from: Some(Instant::now()),
+                ..Availability::default()
+            }),
         }
+    }
+
+    /// A copy of its availability state.
+    pub fn availability(&self) -> Availability {
+        *self.lock_availability()
+    }
+
+    /// Locks its availability state (short critical sections only, never across an await).
+    pub(crate) fn lock_availability(&self) -> MutexGuard<'_, Availability> {
+        self.availability
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Times it was ejected since it was added.
+    pub fn ejections_total(&self) -> u64 {
+        self.ejections_total.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_ejection(&self) {
+        self.ejections_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a failure in a row and returns the run's length.
+    pub(crate) fn record_failure_in_a_row(&self) -> u32 {
+        self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Ends a run of failures.
+    pub(crate) fn reset_failures_in_a_row(&self) {
+        if self.consecutive_failures.load(Ordering::Relaxed) != 0 {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A process-unique identity: a strategy may key private per-backend state by it (an address
+    /// removed and added again gets a new id).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The backend's address.

@@ -13,8 +13,11 @@
 //!
 //! The queue lock is a `std::sync::Mutex` that is never held across an await.
 
+mod availability;
+mod retry_budget;
+
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -25,7 +28,11 @@ use tokio::time::Instant;
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::config::Settings;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
+use crate::proxy::{self, UpstreamClient};
 use crate::strategies::{Outcome, RequestInfo, Strategy};
+
+use availability::Verdict;
+pub use retry_budget::RetryBudget;
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +45,8 @@ pub enum Rejection {
     Timeout,
     /// The router is going away.
     ShuttingDown,
+    /// Every backend that could take the request answered that it is busy.
+    Busy,
 }
 
 impl Rejection {
@@ -48,6 +57,7 @@ impl Rejection {
             Rejection::Evicted => "router queue full: the oldest waiting request was evicted",
             Rejection::Timeout => "request timed out waiting in the router queue",
             Rejection::ShuttingDown => "router is shutting down",
+            Rejection::Busy => "every backend that could take the request is busy",
         }
     }
 }
@@ -77,23 +87,38 @@ impl Queue {
 }
 
 /// Tunables the balancer reads on the request path, taken from [`Settings`] once.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Tuning {
     queue_max_size: usize,
     queue_timeout: Duration,
     ewma_alpha: f64,
     latency_threshold: f64,
     completed_cap: u64,
+    consecutive_failures: u32,
+    ejection_time: Duration,
+    max_ejection_time: Duration,
+    max_ejection_percent: f64,
+    health_check_path: Option<String>,
+    health_check_timeout: Duration,
+    max_busy_pause: Duration,
+    slow_start: Option<Duration>,
 }
 
 /// Shared routing state. See the module docs.
 pub struct Balancer {
+    /// Every backend of the current set (health, metrics).
     backends: Arc<Snapshot>,
+    /// The backends strategies pick from: not ejected, not paused (see `availability`).
+    eligible: Snapshot,
     strategy: Arc<dyn Strategy>,
     queue: Mutex<Queue>,
     queue_depth: Arc<AtomicUsize>,
     tuning: Tuning,
     metrics: Metrics,
+    client: UpstreamClient,
+    retry_budget: RetryBudget,
+    draining: AtomicBool,
+    panic_mode: AtomicBool,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -112,8 +137,10 @@ impl Balancer {
         let queue_depth = Arc::new(AtomicUsize::new(0));
         let metrics = Metrics::new(Arc::clone(&backends), Arc::clone(&queue_depth))?;
         let config = &settings.config;
+        let seconds = Duration::from_secs_f64;
         Ok(Arc::new(Self {
             backends,
+            eligible: Snapshot::from_pointee(Vec::new()),
             strategy: Arc::clone(&settings.strategy),
             queue: Mutex::new(Queue::default()),
             queue_depth,
@@ -123,9 +150,71 @@ impl Balancer {
                 ewma_alpha: config.ewma_alpha,
                 latency_threshold: config.latency_threshold,
                 completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
+                consecutive_failures: config.consecutive_failures,
+                ejection_time: seconds(config.ejection_time),
+                max_ejection_time: seconds(config.max_ejection_time),
+                max_ejection_percent: config.max_ejection_percent,
+                health_check_path: config.health_check_path.clone(),
+                health_check_timeout: seconds(config.health_check_timeout),
+                max_busy_pause: seconds(config.max_busy_pause),
+                slow_start: Settings::optional(config.slow_start),
             },
             metrics,
+            client: proxy::client(settings.connect_timeout(), &settings.extra_ca_certs),
+            retry_budget: RetryBudget::new(
+                config.retry_budget_percent,
+                config.retry_budget_min_per_second,
+            ),
+            draining: AtomicBool::new(false),
+            panic_mode: AtomicBool::new(false),
         }))
+    }
+
+    /// The pooled client used for every backend.
+    pub fn client(&self) -> &UpstreamClient {
+        &self.client
+    }
+
+    /// The retry budget shared by all requests.
+    pub fn retry_budget(&self) -> &RetryBudget {
+        &self.retry_budget
+    }
+
+    /// Marks the router as draining (health answers 503).
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the router is draining.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Whether every available backend is ejected and all are used anyway.
+    pub fn in_panic_mode(&self) -> bool {
+        self.panic_mode.load(Ordering::Relaxed)
+    }
+
+    /// The backends strategies currently pick from.
+    pub fn eligible(&self) -> Arc<Vec<Arc<Backend>>> {
+        self.eligible.load_full()
+    }
+
+    /// Picks among the eligible backends: the strategy's choice, unless it is slow-starting and
+    /// its ramp declines this pick, in which case the strategy chooses among the others.
+    fn pick(&self, info: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<Arc<Backend>> {
+        let chosen = Arc::clone(&candidates[self.strategy.pick(info, candidates)?]);
+        if candidates.len() > 1 && !self.ramp_admits(&chosen) {
+            let others: Vec<Arc<Backend>> = candidates
+                .iter()
+                .filter(|b| !Arc::ptr_eq(b, &chosen))
+                .cloned()
+                .collect();
+            if let Some(index) = self.strategy.pick(info, &others) {
+                return Some(Arc::clone(&others[index]));
+            }
+        }
+        Some(chosen)
     }
 
     /// The metrics instruments.
@@ -177,8 +266,7 @@ impl Balancer {
         }
         let next = Arc::new(next);
         self.backends.store(Arc::clone(&next));
-        self.strategy.on_backends_changed(&next);
-        self.dispatch_locked(&mut queue);
+        self.refresh_eligible_locked(&mut queue);
         next
     }
 
@@ -188,11 +276,11 @@ impl Balancer {
         let (seq, reply) = {
             let mut queue = self.lock();
             if queue.waiters.is_empty() {
-                let backends = self.backends.load();
-                if let Some(index) = self.strategy.pick(&info, &backends) {
+                if let Some(backend) = self.pick(&info, &self.eligible.load()) {
+                    let lease = Lease::new(self, backend);
                     drop(queue);
                     self.metrics.queue_wait.record(0.0, &[]);
-                    return Ok(Lease::new(self, Arc::clone(&backends[index])));
+                    return Ok(lease);
                 }
             }
             if !self.strategy.queues_when_unavailable() {
@@ -209,6 +297,40 @@ impl Balancer {
             settled: false,
         };
         waiting.wait(enqueued_at + self.tuning.queue_timeout).await
+    }
+
+    /// Admits a retry on a backend not in `tried`: picked now if the strategy can, else through
+    /// the queue (queueing strategies). When every eligible backend was tried, only `requeue`
+    /// sends it through the queue again (a busy backend comes back when its pause ends);
+    /// otherwise `Ok(None)`: there is nowhere else to go.
+    pub async fn admit_retry(
+        self: &Arc<Self>,
+        info: RequestInfo,
+        tried: &[Arc<Backend>],
+        requeue: bool,
+    ) -> Result<Option<Lease>, Rejection> {
+        let untried_exist = {
+            let queue = self.lock();
+            let untried: Vec<Arc<Backend>> = self
+                .eligible
+                .load()
+                .iter()
+                .filter(|b| !tried.iter().any(|t| Arc::ptr_eq(t, b)))
+                .cloned()
+                .collect();
+            if queue.waiters.is_empty() && !untried.is_empty() {
+                if let Some(backend) = self.pick(&info, &untried) {
+                    let lease = Lease::new(self, backend);
+                    drop(queue);
+                    return Ok(Some(lease));
+                }
+            }
+            !untried.is_empty()
+        };
+        if (untried_exist || requeue) && self.strategy.queues_when_unavailable() {
+            return self.admit(info).await.map(Some);
+        }
+        Ok(None)
     }
 
     fn enqueue_locked(
@@ -244,15 +366,15 @@ impl Balancer {
         if queue.waiters.is_empty() {
             return;
         }
-        let backends = self.backends.load();
+        let backends = self.eligible.load();
         while let Some(head) = queue.waiters.front() {
-            let Some(index) = self.strategy.pick(&head.info, &backends) else {
+            let Some(backend) = self.pick(&head.info, &backends) else {
                 break;
             };
             let Some(waiter) = queue.waiters.pop_front() else {
                 break;
             };
-            let lease = Lease::new(self, Arc::clone(&backends[index]));
+            let lease = Lease::new(self, backend);
             let waited = waiter.enqueued_at.elapsed().as_secs_f64();
             match waiter.reply.send(Ok(lease)) {
                 Ok(()) => self.metrics.queue_wait.record(waited, &[]),
@@ -279,8 +401,17 @@ impl Balancer {
 
     /// Records a finished request on its backend and tells the strategy; returns whether the
     /// attempt failed.
-    fn record_outcome(&self, backend: &Backend, finish: &Finish, latency: Duration) -> bool {
-        let failed = finish.error.is_some() || finish.status.is_some_and(|s| s.is_server_error());
+    fn record_outcome(
+        self: &Arc<Self>,
+        backend: &Arc<Backend>,
+        finish: &Finish,
+        latency: Duration,
+        first_byte: Option<Duration>,
+    ) -> bool {
+        let failed = finish.error.is_some()
+            || finish
+                .status
+                .is_some_and(|s| s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS);
         let measured = latency.as_secs_f64();
         // A failure must never look fast: it counts at least as the latency threshold.
         let sample = if failed {
@@ -301,9 +432,15 @@ impl Balancer {
             &Outcome {
                 latency: sample,
                 failed,
+                first_byte: first_byte.map(|d| d.as_secs_f64()),
+                bytes: finish.bytes,
             },
         );
         self.metrics.request_duration.record(measured, &[]);
+        self.apply_verdict(
+            backend,
+            Verdict::of(finish.status, finish.error.is_some(), finish.retry_after),
+        );
         failed
     }
 }
@@ -375,6 +512,10 @@ pub struct Finish {
     pub status: Option<StatusCode>,
     /// The upstream failure, if any.
     pub error: Option<ErrorKind>,
+    /// The response's `Retry-After`, if any (with 429 or 503 it pauses the backend).
+    pub retry_after: Option<Duration>,
+    /// Response body bytes relayed.
+    pub bytes: u64,
 }
 
 /// One request's claim on a backend: counted in the backend's in-flight until dropped.
@@ -442,7 +583,7 @@ impl Lease {
         }
         let failed = self
             .balancer
-            .record_outcome(&self.backend, &finish, latency);
+            .record_outcome(&self.backend, &finish, latency, self.first_byte);
         if failed {
             let threshold = Duration::from_secs_f64(self.balancer.tuning.latency_threshold);
             let penalty = threshold.saturating_sub(latency);

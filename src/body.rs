@@ -7,13 +7,16 @@
 //! backend.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::StatusCode;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
@@ -23,11 +26,14 @@ pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
 
 pin_project_lite::pin_project! {
     /// An upstream response body that finishes its lease at end of stream.
+    #[derive(Debug)]
     pub struct ObservedBody {
         #[pin]
         inner: Incoming,
         lease: Option<Lease>,
         status: StatusCode,
+        retry_after: Option<Duration>,
+        bytes: u64,
     }
 
     impl PinnedDrop for ObservedBody {
@@ -35,7 +41,12 @@ pin_project_lite::pin_project! {
             let this = this.project();
             if let Some(lease) = this.lease.take() {
                 if this.inner.is_end_stream() {
-                    lease.finish(Finish { status: Some(*this.status), error: None });
+                    lease.finish(Finish {
+                        status: Some(*this.status),
+                        error: None,
+                        retry_after: *this.retry_after,
+                        bytes: *this.bytes,
+                    });
                 }
                 // Otherwise the client left mid-response: no sample, the lease drop releases.
             }
@@ -45,11 +56,18 @@ pin_project_lite::pin_project! {
 
 impl ObservedBody {
     /// Wraps `inner`, finishing `lease` when it ends.
-    pub fn new(inner: Incoming, lease: Lease, status: StatusCode) -> Self {
+    pub fn new(
+        inner: Incoming,
+        lease: Lease,
+        status: StatusCode,
+        retry_after: Option<Duration>,
+    ) -> Self {
         Self {
             inner,
             lease: Some(lease),
             status,
+            retry_after,
+            bytes: 0,
         }
     }
 }
@@ -65,11 +83,13 @@ impl Body for ObservedBody {
         let mut this = self.project();
         let frame = ready!(this.inner.as_mut().poll_frame(cx));
         let status = Some(*this.status);
+        let retry_after = *this.retry_after;
         match &frame {
             Some(Ok(frame)) => {
                 if let Some(lease) = this.lease.as_mut() {
-                    if frame.is_data() {
+                    if let Some(data) = frame.data_ref() {
                         lease.mark_first_byte();
+                        *this.bytes += data.len() as u64;
                     }
                 }
                 if this.inner.is_end_stream() {
@@ -77,6 +97,8 @@ impl Body for ObservedBody {
                         lease.finish(Finish {
                             status,
                             error: None,
+                            retry_after,
+                            bytes: *this.bytes,
                         });
                     }
                 }
@@ -86,6 +108,8 @@ impl Body for ObservedBody {
                     lease.finish(Finish {
                         status,
                         error: Some(ErrorKind::Io),
+                        retry_after: None,
+                        bytes: *this.bytes,
                     });
                 }
             }
@@ -94,6 +118,8 @@ impl Body for ObservedBody {
                     lease.finish(Finish {
                         status,
                         error: None,
+                        retry_after,
+                        bytes: *this.bytes,
                     });
                 }
             }
@@ -107,5 +133,152 @@ impl Body for ObservedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request body sent to a backend: bytes kept in memory (replayable for a retry), or the
+    /// client's body streamed through after the part already read.
+    #[project = UpstreamBodyProjection]
+    pub enum UpstreamBody {
+        /// The whole body, in memory.
+        Full { #[pin] body: Full<Bytes> },
+        /// What was read so far, then the rest as the client sends it.
+        Streaming { prefix: Option<Bytes>, #[pin] rest: Incoming },
+    }
+}
+
+impl UpstreamBody {
+    /// A body of `bytes`.
+    pub fn full(bytes: Bytes) -> Self {
+        UpstreamBody::Full {
+            body: Full::new(bytes),
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.project() {
+            UpstreamBodyProjection::Full { body } => body
+                .poll_frame(cx)
+                .map(|frame| frame.map(|frame| frame.map_err(|never| match never {}))),
+            UpstreamBodyProjection::Streaming { prefix, rest } => match prefix.take() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => rest.poll_frame(cx),
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Full { body } => body.is_end_stream(),
+            UpstreamBody::Streaming { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Full { body } => body.size_hint(),
+            UpstreamBody::Streaming { prefix, rest } => {
+                let read = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + read);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + read);
+                }
+                hint
+            }
+        }
+    }
+}
+
+/// A client's request body, read up to the retry limit.
+#[derive(Debug)]
+pub enum RequestBody {
+    /// The whole body is in memory: it can be sent again. The permit holds its share of the
+    /// buffering budget until the request is done.
+    Replayable(Bytes, Option<OwnedSemaphorePermit>),
+    /// Larger than the limit: sent once, streamed.
+    Streaming(Option<Bytes>, Incoming),
+    /// The stream was handed to an attempt; there is nothing left to send.
+    Consumed,
+}
+
+impl RequestBody {
+    /// Reads `body` whole if it is at most `limit` bytes and the buffering `budget` (permits are
+    /// KiB) has room; otherwise keeps what was read and streams the rest. A body announced
+    /// larger than `limit` is not read at all.
+    pub async fn read(
+        mut body: Incoming,
+        limit: usize,
+        budget: &Arc<Semaphore>,
+    ) -> Result<Self, hyper::Error> {
+        if body.is_end_stream() {
+            return Ok(RequestBody::Replayable(Bytes::new(), None));
+        }
+        let announced = body.size_hint().lower();
+        if announced > limit as u64 {
+            return Ok(RequestBody::Streaming(None, body));
+        }
+        let mut permit: Option<OwnedSemaphorePermit> = None;
+        let mut buffer = BytesMut::with_capacity(announced as usize);
+        while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+        {
+            let Ok(data) = frame?.into_data() else {
+                continue;
+            };
+            let needed = (buffer.len() + data.len()).div_ceil(1024) as u32;
+            let held = permit.as_ref().map_or(0, |p| p.num_permits() as u32);
+            let more = needed.saturating_sub(held);
+            let granted = more == 0
+                || match Arc::clone(budget).try_acquire_many_owned(more) {
+                    Ok(extra) => {
+                        match permit.as_mut() {
+                            Some(held) => held.merge(extra),
+                            None => permit = Some(extra),
+                        }
+                        true
+                    }
+                    Err(_) => false,
+                };
+            if !granted || buffer.len() + data.len() > limit {
+                buffer.extend_from_slice(&data);
+                return Ok(RequestBody::Streaming(Some(buffer.freeze()), body));
+            }
+            buffer.extend_from_slice(&data);
+        }
+        Ok(RequestBody::Replayable(buffer.freeze(), permit))
+    }
+
+    /// The bytes read so far (the whole body when replayable).
+    pub fn prefix(&self) -> &[u8] {
+        match self {
+            RequestBody::Replayable(bytes, _) | RequestBody::Streaming(Some(bytes), _) => bytes,
+            _ => &[],
+        }
+    }
+
+    /// Whether the body can be sent again.
+    pub fn is_replayable(&self) -> bool {
+        matches!(self, RequestBody::Replayable(..))
+    }
+
+    /// The body for one attempt: a copy of the bytes, or the stream (once; `None` after).
+    pub fn for_attempt(&mut self) -> Option<UpstreamBody> {
+        if let RequestBody::Replayable(bytes, _) = self {
+            return Some(UpstreamBody::full(bytes.clone()));
+        }
+        match std::mem::replace(self, RequestBody::Consumed) {
+            RequestBody::Streaming(prefix, rest) => Some(UpstreamBody::Streaming { prefix, rest }),
+            _ => None,
+        }
     }
 }

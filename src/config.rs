@@ -19,6 +19,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use serde::{Deserialize, Serialize};
 
+use crate::cidr::Cidr;
 use crate::strategies::{self, Strategy, StrategyContext};
 
 /// One environment variable and the configuration key it sets.
@@ -72,12 +73,112 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
         name: "CUSTOM_ROUTER_SHUTDOWN_TIMEOUT",
         key: "shutdown_timeout",
-        help: "seconds in-flight requests may take to finish after SIGTERM/SIGINT",
+        help: "seconds in-flight requests may take to finish once the listener is closed",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_CONNECT_TIMEOUT",
         key: "connect_timeout",
         help: "seconds allowed to open a connection to a backend",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_ATTEMPTS",
+        key: "max_attempts",
+        help: "attempts per request, the first included, when a retry is safe",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_RETRY_BODY_LIMIT",
+        key: "retry_body_limit",
+        help: "bytes of request body kept for a retry; larger bodies stream and are not retried",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_BUFFERED_BYTES",
+        key: "max_buffered_bytes",
+        help: "bytes of request bodies kept for retries by all requests together; beyond, bodies stream",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_RETRY_BUDGET_PERCENT",
+        key: "retry_budget_percent",
+        help: "retries allowed as a percentage of requests (over about 10 s)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_RETRY_BUDGET_MIN_PER_SECOND",
+        key: "retry_budget_min_per_second",
+        help: "retries per second always allowed, whatever the percentage",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_CONSECUTIVE_FAILURES",
+        key: "consecutive_failures",
+        help: "failures in a row that eject a backend",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_EJECTION_TIME",
+        key: "ejection_time",
+        help: "seconds of the first ejection; each further ejection adds as much",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_EJECTION_TIME",
+        key: "max_ejection_time",
+        help: "seconds an ejection lasts at most",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_EJECTION_PERCENT",
+        key: "max_ejection_percent",
+        help: "largest share of backends ejected at once, in percent",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_HEALTH_CHECK_PATH",
+        key: "health_check_path",
+        help: "path probed with GET before an ejected backend is readmitted (unset: no probe)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_HEALTH_CHECK_TIMEOUT",
+        key: "health_check_timeout",
+        help: "seconds a readmission probe may take",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_BUSY_PAUSE",
+        key: "max_busy_pause",
+        help: "seconds a backend answering 429 or 503 with Retry-After is paused at most",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_SLOW_START",
+        key: "slow_start",
+        help: "seconds over which a new or readmitted backend's share ramps up (0: off)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_FIRST_BYTE_TIMEOUT",
+        key: "first_byte_timeout",
+        help: "seconds a backend may take to send response headers (0: no limit)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_HEADER_READ_TIMEOUT",
+        key: "header_read_timeout",
+        help: "seconds a client may take to send its request headers",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_HEADER_BYTES",
+        key: "max_header_bytes",
+        help: "largest request header section accepted, in bytes",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_MAX_CONNECTIONS",
+        key: "max_connections",
+        help: "client connections served at once; more wait to be accepted",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_PRE_DRAIN_DELAY",
+        key: "pre_drain_delay",
+        help: "seconds between SIGTERM (health turns 503) and closing the listener",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ADMIN_TOKEN",
+        key: "admin_token",
+        help: "bearer token required by set-backends (unset: no token)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_BACKEND_ALLOW_CIDRS",
+        key: "backend_allow_cidrs",
+        help: "comma-separated networks backends must be in (unset: any address)",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_TLS_CA_FILE",
@@ -145,6 +246,49 @@ pub struct Config {
     pub shutdown_timeout: f64,
     /// Seconds allowed to connect to a backend.
     pub connect_timeout: f64,
+    /// Attempts per request, the first included, when a retry is safe.
+    pub max_attempts: u32,
+    /// Bytes of request body kept for a retry; larger bodies stream and are never retried.
+    pub retry_body_limit: usize,
+    /// Bytes of request bodies kept in memory for retries by all requests together.
+    pub max_buffered_bytes: usize,
+    /// Retries allowed as a percentage of requests over the budget window.
+    pub retry_budget_percent: f64,
+    /// Retries per second always allowed.
+    pub retry_budget_min_per_second: f64,
+    /// Failures in a row that eject a backend.
+    pub consecutive_failures: u32,
+    /// Seconds of the first ejection; the n-th ejection lasts n times this.
+    pub ejection_time: f64,
+    /// Seconds an ejection lasts at most.
+    pub max_ejection_time: f64,
+    /// Largest share of the backends ejected at once, in percent.
+    pub max_ejection_percent: f64,
+    /// Path probed with GET before an ejected backend is readmitted.
+    #[serde(deserialize_with = "text_or_number")]
+    pub health_check_path: Option<String>,
+    /// Seconds a readmission probe may take.
+    pub health_check_timeout: f64,
+    /// Seconds a busy backend (429, or 503 with Retry-After) is paused at most.
+    pub max_busy_pause: f64,
+    /// Seconds over which a new or readmitted backend's share ramps up; 0 turns it off.
+    pub slow_start: f64,
+    /// Seconds a backend may take to send response headers; 0 means no limit.
+    pub first_byte_timeout: f64,
+    /// Seconds a client may take to send its request headers.
+    pub header_read_timeout: f64,
+    /// Largest request header section accepted, in bytes.
+    pub max_header_bytes: usize,
+    /// Client connections served at once.
+    pub max_connections: usize,
+    /// Seconds between the shutdown signal and closing the listener (health answers 503).
+    pub pre_drain_delay: f64,
+    /// Bearer token that set-backends requires.
+    #[serde(deserialize_with = "text_or_number", serialize_with = "redacted")]
+    pub admin_token: Option<String>,
+    /// Networks every backend address must be in; empty allows any address.
+    #[serde(deserialize_with = "list_or_comma_separated")]
+    pub backend_allow_cidrs: Vec<String>,
     /// PEM file with extra CA certificates for `https://` backends (the system store is always
     /// trusted).
     pub tls_ca_file: Option<PathBuf>,
@@ -164,9 +308,83 @@ impl Default for Config {
             state_log_interval: 30.0,
             shutdown_timeout: 30.0,
             connect_timeout: 5.0,
+            max_attempts: 3,
+            retry_body_limit: 1024 * 1024,
+            max_buffered_bytes: 32 * 1024 * 1024,
+            retry_budget_percent: 20.0,
+            retry_budget_min_per_second: 10.0,
+            consecutive_failures: 5,
+            ejection_time: 30.0,
+            max_ejection_time: 300.0,
+            max_ejection_percent: 50.0,
+            health_check_path: None,
+            health_check_timeout: 2.0,
+            max_busy_pause: 60.0,
+            slow_start: 0.0,
+            first_byte_timeout: 0.0,
+            header_read_timeout: 10.0,
+            max_header_bytes: 64 * 1024,
+            max_connections: 4096,
+            pre_drain_delay: 0.0,
+            admin_token: None,
+            backend_allow_cidrs: Vec::new(),
             tls_ca_file: None,
             log_format: LogFormat::Text,
         }
+    }
+}
+
+/// Accepts text or a number as text (an environment value such as `123` parses as a number).
+fn text_or_number<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Text(String),
+        Unsigned(u64),
+        Signed(i64),
+        Float(f64),
+    }
+    Ok(
+        Option::<Scalar>::deserialize(deserializer)?.map(|value| match value {
+            Scalar::Text(text) => text,
+            Scalar::Unsigned(n) => n.to_string(),
+            Scalar::Signed(n) => n.to_string(),
+            Scalar::Float(n) => n.to_string(),
+        }),
+    )
+}
+
+/// Accepts a list of strings, or one comma-separated string (as environment variables give).
+fn list_or_comma_separated<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum List {
+        Many(Vec<String>),
+        One(String),
+    }
+    Ok(match List::deserialize(deserializer)? {
+        List::Many(items) => items,
+        List::One(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
+}
+
+/// Prints a secret as `"<redacted>"` (in `--check-config` output).
+fn redacted<S: serde::Serializer>(
+    secret: &Option<String>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match secret {
+        Some(_) => serializer.serialize_some("<redacted>"),
+        None => serializer.serialize_none(),
     }
 }
 
@@ -262,6 +480,20 @@ impl Settings {
     /// Interval between backend-state log lines.
     pub fn state_log_interval(&self) -> Duration {
         Duration::from_secs_f64(self.config.state_log_interval)
+    }
+
+    /// The backend allow-list (validated when the settings were built).
+    pub fn backend_allow_cidrs(&self) -> Vec<Cidr> {
+        self.config
+            .backend_allow_cidrs
+            .iter()
+            .filter_map(|network| network.parse().ok())
+            .collect()
+    }
+
+    /// `seconds` as a duration, `None` for 0 (a limit that is off).
+    pub fn optional(seconds: f64) -> Option<Duration> {
+        (seconds > 0.0).then(|| Duration::from_secs_f64(seconds))
     }
 }
 
@@ -364,6 +596,11 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ("queue_timeout", config.queue_timeout),
         ("state_log_interval", config.state_log_interval),
         ("connect_timeout", config.connect_timeout),
+        ("ejection_time", config.ejection_time),
+        ("max_ejection_time", config.max_ejection_time),
+        ("health_check_timeout", config.health_check_timeout),
+        ("max_busy_pause", config.max_busy_pause),
+        ("header_read_timeout", config.header_read_timeout),
     ];
     for (key, value) in positive_seconds {
         if !(value.is_finite() && value > 0.0 && value < 1e9) {
@@ -373,23 +610,93 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             ));
         }
     }
-    if !(config.shutdown_timeout.is_finite()
-        && config.shutdown_timeout >= 0.0
-        && config.shutdown_timeout < 1e9)
+    let optional_seconds = [
+        ("shutdown_timeout", config.shutdown_timeout),
+        ("slow_start", config.slow_start),
+        ("first_byte_timeout", config.first_byte_timeout),
+        ("pre_drain_delay", config.pre_drain_delay),
+    ];
+    for (key, value) in optional_seconds {
+        if !(0.0..1e9).contains(&value) {
+            return Err(ConfigError::new(
+                locate(key),
+                format!("expected zero or a positive number of seconds, found {value}"),
+            ));
+        }
+    }
+    let positive_counts = [
+        ("queue_max_size", config.queue_max_size),
+        ("max_attempts", config.max_attempts as usize),
+        ("consecutive_failures", config.consecutive_failures as usize),
+        ("max_connections", config.max_connections),
+    ];
+    for (key, value) in positive_counts {
+        if value == 0 {
+            return Err(ConfigError::new(
+                locate(key),
+                "expected a positive integer, found 0",
+            ));
+        }
+    }
+    let percents = [
+        ("retry_budget_percent", config.retry_budget_percent),
+        ("max_ejection_percent", config.max_ejection_percent),
+    ];
+    for (key, value) in percents {
+        if !(0.0..=100.0).contains(&value) {
+            return Err(ConfigError::new(
+                locate(key),
+                format!("expected a percentage from 0 to 100, found {value}"),
+            ));
+        }
+    }
+    if !(config.retry_budget_min_per_second.is_finite()
+        && config.retry_budget_min_per_second >= 0.0)
     {
         return Err(ConfigError::new(
-            locate("shutdown_timeout"),
+            locate("retry_budget_min_per_second"),
             format!(
-                "expected zero or a positive number of seconds, found {}",
-                config.shutdown_timeout
+                "expected zero or a positive number, found {}",
+                config.retry_budget_min_per_second
             ),
         ));
     }
-    if config.queue_max_size == 0 {
+    if config.retry_body_limit > 64 * 1024 * 1024 {
         return Err(ConfigError::new(
-            locate("queue_max_size"),
-            "expected a positive integer, found 0",
+            locate("retry_body_limit"),
+            format!(
+                "expected at most 67108864 bytes, found {}",
+                config.retry_body_limit
+            ),
         ));
+    }
+    if !(8 * 1024..=1024 * 1024).contains(&config.max_header_bytes) {
+        return Err(ConfigError::new(
+            locate("max_header_bytes"),
+            format!(
+                "expected 8192 to 1048576 bytes, found {}",
+                config.max_header_bytes
+            ),
+        ));
+    }
+    if let Some(path) = &config.health_check_path {
+        if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(ConfigError::new(
+                locate("health_check_path"),
+                format!("expected a path starting with '/', found {path:?}"),
+            ));
+        }
+    }
+    if config.admin_token.as_deref().is_some_and(str::is_empty) {
+        return Err(ConfigError::new(
+            locate("admin_token"),
+            "expected a non-empty token",
+        ));
+    }
+    for network in &config.backend_allow_cidrs {
+        network
+            .parse::<Cidr>()
+            .map_err(|message| ConfigError::new(locate("backend_allow_cidrs"), message))?;
     }
     if !(config.ewma_alpha > 0.0 && config.ewma_alpha <= 1.0) {
         return Err(ConfigError::new(
@@ -434,6 +741,7 @@ fn build_strategy(config: &Config, file: Option<&Path>) -> Result<Arc<dyn Strate
     };
     let context = StrategyContext {
         latency_threshold: config.latency_threshold,
+        ewma_alpha: config.ewma_alpha,
     };
     let params = Value::from(config.strategy.params.clone());
     (entry.build)(&context, &params).map_err(|error| {

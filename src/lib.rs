@@ -9,6 +9,7 @@ pub mod admin;
 pub mod backend;
 pub mod balancer;
 pub mod body;
+pub mod cidr;
 pub mod config;
 pub mod metrics;
 pub mod proxy;

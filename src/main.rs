@@ -97,19 +97,13 @@ async fn run(settings: Settings) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let config = &settings.config;
+    // Serialised through serde so that secrets print redacted.
+    let effective = serde_json::to_string(&settings.config).unwrap_or_default();
     tracing::info!(
         listen = %router.local_addr(),
-        strategy = config.strategy.name,
-        params = ?config.strategy.params,
-        latency_threshold = config.latency_threshold,
-        queue_max_size = config.queue_max_size,
-        queue_timeout = config.queue_timeout,
-        ewma_alpha = config.ewma_alpha,
-        state_log_interval = config.state_log_interval,
-        shutdown_timeout = config.shutdown_timeout,
-        connect_timeout = config.connect_timeout,
+        strategy = settings.config.strategy.name,
         config_file = ?settings.config_file,
+        config = %effective,
         "custom-router listening"
     );
     router.serve(shutdown_signal()).await;

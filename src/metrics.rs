@@ -39,12 +39,51 @@ pub mod names {
     pub const BACKEND_RESPONSES: &str = "custom_router_backend_responses";
     /// Counter `custom_router_upstream_errors_total{addr,kind}`: failed upstream attempts.
     pub const UPSTREAM_ERRORS: &str = "custom_router_upstream_errors";
+    /// Counter `custom_router_retries_total{reason}`: attempts sent again to another backend.
+    pub const RETRIES: &str = "custom_router_retries";
+    /// Counter `custom_router_retry_budget_exhausted_total`: failures not retried for lack of budget.
+    pub const RETRY_BUDGET_EXHAUSTED: &str = "custom_router_retry_budget_exhausted";
+    /// Counter `custom_router_ejections_total`: backends ejected after consecutive failures.
+    pub const EJECTIONS: &str = "custom_router_ejections";
+    /// Gauge `{addr}`: 1 while the backend is ejected, else 0.
+    pub const BACKEND_EJECTED: &str = "custom_router_backend_ejected";
+    /// Gauge `{addr}`: 1 while the backend is paused after a busy answer, else 0.
+    pub const BACKEND_PAUSED: &str = "custom_router_backend_paused";
     /// Histogram: seconds from dispatch to the end of the response body.
     pub const REQUEST_DURATION: &str = "custom_router_request_duration_seconds";
     /// Histogram: seconds from dispatch to the first byte of the response body.
     pub const TIME_TO_FIRST_BYTE: &str = "custom_router_time_to_first_byte_seconds";
     /// Histogram: seconds requests spent waiting in the router queue.
     pub const QUEUE_WAIT: &str = "custom_router_queue_wait_seconds";
+}
+
+/// Why an attempt was sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryReason {
+    /// The backend could not be reached: it saw nothing of the request.
+    Connect,
+    /// The backend answered 429, or 503 with `Retry-After`.
+    Busy,
+    /// Another failure of an idempotent request.
+    Idempotent,
+}
+
+impl RetryReason {
+    /// Every reason.
+    pub const ALL: [RetryReason; 3] = [
+        RetryReason::Connect,
+        RetryReason::Busy,
+        RetryReason::Idempotent,
+    ];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RetryReason::Connect => "connect",
+            RetryReason::Busy => "busy",
+            RetryReason::Idempotent => "idempotent",
+        }
+    }
 }
 
 /// Histogram boundaries in seconds, from a fast proxied call to a long generation.
@@ -69,6 +108,12 @@ pub struct Metrics {
     pub cancelled: Counter<u64>,
     /// Requests answered 503 at once because no backend could take them.
     pub rejected: Counter<u64>,
+    /// Retries by reason.
+    retries: Counter<u64>,
+    /// Failures not retried because the retry budget was spent.
+    pub retry_budget_exhausted: Counter<u64>,
+    /// Backend ejections.
+    pub ejections: Counter<u64>,
     /// Dispatch to end of response body.
     pub request_duration: Histogram<f64>,
     /// Dispatch to first response body byte.
@@ -142,6 +187,24 @@ impl Metrics {
                 names::REQUESTS_REJECTED,
                 "Requests answered 503 at once because no backend could take them",
             ),
+            retries: {
+                let retries = meter
+                    .u64_counter(names::RETRIES)
+                    .with_description("Attempts sent again to another backend, by reason")
+                    .build();
+                for reason in RetryReason::ALL {
+                    retries.add(0, &[KeyValue::new("reason", reason.as_str())]);
+                }
+                retries
+            },
+            retry_budget_exhausted: counter(
+                names::RETRY_BUDGET_EXHAUSTED,
+                "Failed attempts not retried because the retry budget was spent",
+            ),
+            ejections: counter(
+                names::EJECTIONS,
+                "Backends ejected after consecutive failures",
+            ),
             request_duration: histogram(
                 names::REQUEST_DURATION,
                 "Seconds from dispatch to the end of the response body",
@@ -157,6 +220,12 @@ impl Metrics {
             registry,
             provider,
         })
+    }
+
+    /// Counts one retry.
+    pub fn count_retry(&self, reason: RetryReason) {
+        self.retries
+            .add(1, &[KeyValue::new("reason", reason.as_str())]);
     }
 
     /// The Prometheus text exposition of every metric.
@@ -208,6 +277,33 @@ fn register_observers(meter: &Meter, backends: Arc<Snapshot>, queue_depth: Arc<A
         .with_callback(move |observer| {
             for backend in snapshot.load().iter() {
                 observer.observe(backend.in_flight() as u64, &[addr_label(backend)]);
+            }
+        })
+        .build();
+
+    let snapshot = Arc::clone(&backends);
+    meter
+        .u64_observable_gauge(names::BACKEND_EJECTED)
+        .with_description("1 while the backend is ejected after consecutive failures")
+        .with_callback(move |observer| {
+            for backend in snapshot.load().iter() {
+                let ejected = backend.availability().is_ejected();
+                observer.observe(u64::from(ejected), &[addr_label(backend)]);
+            }
+        })
+        .build();
+
+    let snapshot = Arc::clone(&backends);
+    meter
+        .u64_observable_gauge(names::BACKEND_PAUSED)
+        .with_description(
+            "1 while the backend is paused after a busy answer (429, 503 with Retry-After)",
+        )
+        .with_callback(move |observer| {
+            let now = tokio::time::Instant::now();
+            for backend in snapshot.load().iter() {
+                let paused = backend.availability().is_paused(now);
+                observer.observe(u64::from(paused), &[addr_label(backend)]);
             }
         })
         .build();

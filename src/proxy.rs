@@ -1,19 +1,23 @@
-//! Forwarding one request to the leased backend and streaming the answer back.
+//! Forwarding a request to backends (with retries where safe) and streaming the answer back.
 //!
 //! The request keeps its method, path and query; hop-by-hop headers (RFC 9110 §7.6.1, plus those
 //! named in `Connection`) are removed both ways; `X-Forwarded-For` gets the client address
 //! appended and `X-Forwarded-Proto` is set to `http`. The client's `Host` is kept (for HTTP/2
-//! clients, the `:authority`). Bodies are streamed both ways, never buffered whole. Requests go
-//! out as HTTP/1.1 over a pooled keep-alive client.
+//! clients, the `:authority`). A request body of at most `retry_body_limit` bytes is read into
+//! memory first (within a global budget, `max_buffered_bytes`) so it can be sent again; a larger
+//! one is streamed once. Responses are always streamed. Requests go out as HTTP/1.1 over a
+//! pooled keep-alive client.
 
 use std::error::Error as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Semaphore;
+
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
-use http::{Request, Response, StatusCode, Version};
+use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::Either;
 use hyper::body::Incoming;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -22,13 +26,15 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
 
-use crate::backend::ErrorKind;
-use crate::balancer::{Finish, Lease};
-use crate::body::{ObservedBody, ResponseBody};
+use crate::backend::{Backend, BackendAddr, ErrorKind};
+use crate::balancer::{Balancer, Finish, Lease, Rejection};
+use crate::body::{ObservedBody, RequestBody, ResponseBody, UpstreamBody};
+use crate::metrics::RetryReason;
 use crate::response;
+use crate::strategies::{RequestInfo, RequestView};
 
 /// The pooled HTTP/1.1 client used for every backend (`https://` backends over rustls).
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Incoming>;
+pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -127,77 +133,300 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     }
 }
 
-/// Sends `request` to the leased backend and returns its response, streamed.
-///
-/// Connect and I/O failures before a response answer 502 with a JSON body; the lease records
-/// them as failures.
-pub async fn forward(
-    client: &UpstreamClient,
-    request: Request<Incoming>,
-    lease: Lease,
-    peer: SocketAddr,
-) -> Response<ResponseBody> {
-    let (mut parts, body) = request.into_parts();
-    remove_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(header::HOST) {
-        if let Some(authority) = parts.uri.authority() {
-            if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
-                parts.headers.insert(header::HOST, host);
+/// What retries may do, from the settings.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    /// Attempts per request, the first included.
+    pub max_attempts: u32,
+    /// Bytes of body kept in memory so the request can be sent again.
+    pub body_limit: usize,
+    /// KiB of request bodies all requests together may keep in memory.
+    pub buffer_budget: Arc<Semaphore>,
+    /// How long a backend may take to send response headers.
+    pub first_byte_timeout: Option<Duration>,
+}
+
+/// A request prepared once for all its attempts: hop-by-hop headers removed, `Host` kept,
+/// `X-Forwarded-For` and `X-Forwarded-Proto` set.
+#[derive(Debug)]
+pub struct RequestHead {
+    method: Method,
+    path_and_query: PathAndQuery,
+    headers: HeaderMap,
+}
+
+impl RequestHead {
+    /// Prepares the head of a client request received from `peer`.
+    pub fn prepare(mut parts: http::request::Parts, peer: SocketAddr) -> Self {
+        remove_hop_by_hop(&mut parts.headers);
+        if !parts.headers.contains_key(header::HOST) {
+            if let Some(authority) = parts.uri.authority() {
+                if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
+                    parts.headers.insert(header::HOST, host);
+                }
             }
         }
-    }
-    append_forwarded_for(&mut parts.headers, peer);
-    parts
-        .headers
-        .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    let addr = lease.backend().addr();
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| PathAndQuery::from_static("/"));
-    let uri = Uri::builder()
-        .scheme(addr.scheme())
-        .authority(addr.authority().clone())
-        .path_and_query(path_and_query)
-        .build();
-    parts.uri = match uri {
-        Ok(uri) => uri,
-        Err(_) => {
-            // Never sent: the lease is dropped without a sample.
-            drop(lease);
-            return response::error(
-                StatusCode::BAD_REQUEST,
-                "request target cannot be forwarded",
-            );
+        append_forwarded_for(&mut parts.headers, peer);
+        parts
+            .headers
+            .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        Self {
+            method: parts.method,
+            path_and_query,
+            headers: parts.headers,
         }
-    };
-    parts.version = Version::HTTP_11;
+    }
 
-    match client.request(Request::from_parts(parts, body)).await {
+    /// The request for one attempt to `addr`. The headers are copied when another attempt may
+    /// follow, and moved into the last one.
+    fn request_to(
+        &mut self,
+        addr: &BackendAddr,
+        body: UpstreamBody,
+        last: bool,
+    ) -> Request<UpstreamBody> {
+        let uri = Uri::from_parts({
+            let mut parts = http::uri::Parts::default();
+            parts.scheme = Some(addr.scheme());
+            parts.authority = Some(addr.authority().clone());
+            parts.path_and_query = Some(self.path_and_query.clone());
+            parts
+        })
+        .expect("scheme, authority and path make an absolute URI");
+        let mut request = Request::new(body);
+        *request.method_mut() = self.method.clone();
+        *request.uri_mut() = uri;
+        *request.version_mut() = Version::HTTP_11;
+        *request.headers_mut() = if last {
+            std::mem::take(&mut self.headers)
+        } else {
+            self.headers.clone()
+        };
+        request
+    }
+}
+
+/// How one attempt ended.
+// Returned once per attempt and matched at once: boxing the response would allocate per request.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+enum Attempt {
+    /// The answer for the client (the backend's response, streamed).
+    Answer(Response<ResponseBody>),
+    /// The backend said it is busy before anything reached the client.
+    Busy,
+    /// The attempt failed; the lease has recorded it.
+    Failed(ErrorKind),
+}
+
+/// The `Retry-After` of a response in seconds (delta-seconds form; any other form counts as 1 s).
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
+    let seconds = value
+        .parse::<f64>()
+        .ok()
+        .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok());
+    // Longer pauses are capped by `max_busy_pause` later; a day keeps the arithmetic safe.
+    Some(seconds.map_or(Duration::from_secs(1), |d| {
+        d.min(Duration::from_secs(86_400))
+    }))
+}
+
+fn is_busy(status: StatusCode, retry_after: Option<Duration>) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS
+        || (status == StatusCode::SERVICE_UNAVAILABLE && retry_after.is_some())
+}
+
+/// Sends one attempt to the leased backend.
+async fn attempt(
+    client: &UpstreamClient,
+    request: Request<UpstreamBody>,
+    lease: Lease,
+    may_retry_busy: bool,
+    first_byte_timeout: Option<Duration>,
+) -> Attempt {
+    let sent = client.request(request);
+    let answer = match first_byte_timeout {
+        Some(limit) => match tokio::time::timeout(limit, sent).await {
+            Ok(answer) => answer.map_err(|error| classify(&error)),
+            Err(_) => Err(ErrorKind::FirstByteTimeout),
+        },
+        None => sent.await.map_err(|error| classify(&error)),
+    };
+    match answer {
         Ok(upstream) => {
             let (mut parts, body) = upstream.into_parts();
+            let status = parts.status;
+            let retry_after = retry_after(&parts.headers);
+            if may_retry_busy && is_busy(status, retry_after) {
+                lease.finish(Finish {
+                    status: Some(status),
+                    error: None,
+                    retry_after,
+                    bytes: 0,
+                });
+                return Attempt::Busy;
+            }
             remove_hop_by_hop(&mut parts.headers);
             // The client gets the router's own protocol version, whatever the backend spoke.
             parts.version = Version::default();
-            let status = parts.status;
-            Response::from_parts(parts, Either::Left(ObservedBody::new(body, lease, status)))
+            let body = ObservedBody::new(body, lease, status, retry_after);
+            Attempt::Answer(Response::from_parts(parts, Either::Left(body)))
         }
-        Err(error) => {
-            let kind = classify(&error);
-            tracing::debug!(backend = %lease.backend().addr(), %error, kind = kind.as_str(), "upstream request failed");
-            let message = format!(
-                "upstream {} error for backend {}",
-                kind.as_str().replace('_', " "),
-                lease.backend().addr()
-            );
+        Err(kind) => {
+            tracing::debug!(backend = %lease.backend().addr(), kind = kind.as_str(), "upstream attempt failed");
             lease.finish(Finish {
                 status: None,
                 error: Some(kind),
+                retry_after: None,
+                bytes: 0,
             });
-            response::error(StatusCode::BAD_GATEWAY, &message)
+            Attempt::Failed(kind)
         }
     }
+}
+
+/// The client's answer when the last attempt failed.
+fn failure_response(kind: ErrorKind, backend: &BackendAddr) -> Response<ResponseBody> {
+    let status = if kind == ErrorKind::FirstByteTimeout {
+        StatusCode::GATEWAY_TIMEOUT
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
+    let message = format!(
+        "upstream {} error for backend {backend}",
+        kind.as_str().replace('_', " ")
+    );
+    response::error(status, &message)
+}
+
+/// Methods whose repetition has the same effect as one request (RFC 9110 §9.2.2).
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+/// Proxies a client request: admits it, sends it, and retries where that is safe.
+///
+/// A connect failure (the backend saw nothing) or a busy answer (429, or 503 with
+/// `Retry-After`) is retried on another backend for any method; any other failure only for
+/// idempotent methods. Only bodies kept in memory (at most `body_limit`) are sent again, never
+/// more than `max_attempts` in all, and failure retries draw on the shared retry budget.
+pub async fn proxy(
+    balancer: &Arc<Balancer>,
+    policy: &RetryPolicy,
+    request: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<ResponseBody> {
+    let (parts, body) = request.into_parts();
+    let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
+        Ok(body) => body,
+        Err(error) => {
+            return response::error(
+                StatusCode::BAD_REQUEST,
+                &format!("could not read the request body: {error}"),
+            );
+        }
+    };
+    let info = RequestInfo {
+        method: parts.method.clone(),
+        key: balancer.strategy().request_key(&RequestView {
+            method: &parts.method,
+            uri: &parts.uri,
+            headers: &parts.headers,
+            body_prefix: body.prefix(),
+        }),
+    };
+    let mut body = body;
+    let announced_length = parts.headers.contains_key(header::CONTENT_LENGTH);
+    let mut head = RequestHead::prepare(parts, peer);
+    if !body.is_replayable() && !announced_length {
+        // A streamed body of unknown length goes out chunked, whatever the method.
+        head.headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+    }
+    let retriable = body.is_replayable() && policy.max_attempts > 1;
+    let idempotent = is_idempotent(&head.method);
+    balancer.retry_budget().deposit();
+    let mut tried: Vec<Arc<Backend>> = Vec::new();
+    let mut last_failure: Option<(ErrorKind, Arc<Backend>)> = None;
+    let mut retry_reason: Option<RetryReason> = None;
+    for number in 1..=policy.max_attempts {
+        let admitted = if tried.is_empty() {
+            balancer.admit(info.clone()).await.map(Some)
+        } else {
+            let requeue = last_failure.is_none();
+            balancer.admit_retry(info.clone(), &tried, requeue).await
+        };
+        let lease = match admitted {
+            Ok(Some(lease)) => lease,
+            Ok(None) => {
+                return match &last_failure {
+                    Some((kind, backend)) => failure_response(*kind, backend.addr()),
+                    None => {
+                        balancer.metrics().rejected.add(1, &[]);
+                        response::rejection(Rejection::Busy)
+                    }
+                };
+            }
+            Err(rejection) => return response::rejection(rejection),
+        };
+        if let Some(reason) = retry_reason.take() {
+            balancer.metrics().count_retry(reason);
+        }
+        balancer.metrics().dispatched.add(1, &[]);
+        let backend = Arc::clone(lease.backend());
+        let last = !retriable || number == policy.max_attempts;
+        let Some(upstream_body) = body.for_attempt() else {
+            return response::error(StatusCode::BAD_GATEWAY, "request body already sent");
+        };
+        let request = head.request_to(backend.addr(), upstream_body, last);
+        tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
+        let reason = match attempt(
+            balancer.client(),
+            request,
+            lease,
+            !last,
+            policy.first_byte_timeout,
+        )
+        .await
+        {
+            Attempt::Answer(response) => return response,
+            Attempt::Busy => {
+                last_failure = None;
+                RetryReason::Busy
+            }
+            Attempt::Failed(kind) => {
+                let safe = kind.before_request_sent() || idempotent;
+                if last || !safe {
+                    return failure_response(kind, backend.addr());
+                }
+                if !balancer.retry_budget().try_withdraw() {
+                    balancer.metrics().retry_budget_exhausted.add(1, &[]);
+                    return failure_response(kind, backend.addr());
+                }
+                last_failure = Some((kind, Arc::clone(&backend)));
+                if kind.before_request_sent() {
+                    RetryReason::Connect
+                } else {
+                    RetryReason::Idempotent
+                }
+            }
+        };
+        retry_reason = Some(reason);
+        tried.push(backend);
+    }
+    // The loop returns on its last attempt.
+    response::error(StatusCode::BAD_GATEWAY, "no attempt left")
 }
 
 fn classify(error: &hyper_util::client::legacy::Error) -> ErrorKind {

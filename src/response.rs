@@ -42,5 +42,6 @@ fn reason(rejection: Rejection) -> &'static str {
         Rejection::Evicted => "evicted",
         Rejection::Timeout => "queue_timeout",
         Rejection::ShuttingDown => "shutting_down",
+        Rejection::Busy => "busy",
     }
 }

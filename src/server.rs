@@ -13,16 +13,15 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::admin;
+use crate::admin::{self, AdminPolicy};
 use crate::balancer::Balancer;
 use crate::body::ResponseBody;
 use crate::config::Settings;
 use crate::metrics::MetricsError;
-use crate::proxy::{self, UpstreamClient};
-use crate::response;
-use crate::strategies::RequestInfo;
+use crate::proxy::{self, RetryPolicy};
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -42,7 +41,8 @@ pub enum StartError {
 
 struct Shared {
     balancer: Arc<Balancer>,
-    client: UpstreamClient,
+    retry: RetryPolicy,
+    admin: AdminPolicy,
 }
 
 /// A bound router, ready to serve.
@@ -83,9 +83,22 @@ impl Router {
 
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = Balancer::new(&settings)?;
-        let client = proxy::client(settings.connect_timeout(), &settings.extra_ca_certs);
+        let config = &settings.config;
+        let retry = RetryPolicy {
+            max_attempts: config.max_attempts,
+            body_limit: config.retry_body_limit,
+            buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
+            first_byte_timeout: Settings::optional(config.first_byte_timeout),
+        };
         Ok(Self {
-            shared: Arc::new(Shared { balancer, client }),
+            shared: Arc::new(Shared {
+                balancer,
+                retry,
+                admin: AdminPolicy {
+                    token: config.admin_token.clone(),
+                    allowed_networks: settings.backend_allow_cidrs(),
+                },
+            }),
             listener,
             settings,
         })
@@ -103,56 +116,55 @@ impl Router {
         &self.shared.balancer
     }
 
-    /// Serves until `shutdown` resolves, then stops accepting and lets in-flight requests finish
-    /// for up to the configured shutdown timeout.
+    /// Serves until `shutdown` resolves, then drains: health answers 503 at once, the listener
+    /// stays open for `pre_drain_delay` and then closes, and in-flight requests (queued ones
+    /// included) may finish for up to `shutdown_timeout`.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
         let Router {
             shared,
             listener,
             settings,
         } = self;
+        let config = &settings.config;
         let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder.http1().timer(TokioTimer::new()).keep_alive(true);
-        builder.http2().timer(TokioTimer::new());
-        let graceful = GracefulShutdown::new();
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .keep_alive(true)
+            .header_read_timeout(Duration::from_secs_f64(config.header_read_timeout))
+            .max_buf_size(config.max_header_bytes);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
+        let acceptor = Acceptor {
+            header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
+            listener,
+            builder,
+            graceful: GracefulShutdown::new(),
+            slots: Arc::new(Semaphore::new(config.max_connections)),
+            shared: Arc::clone(&shared),
+        };
         let state_log = tokio::spawn(log_state_periodically(
             Arc::clone(&shared.balancer),
             settings.state_log_interval(),
         ));
-        tokio::pin!(shutdown);
-        loop {
-            tokio::select! {
-                accepted = listener.accept() => {
-                    let (stream, peer) = match accepted {
-                        Ok(accepted) => accepted,
-                        Err(error) => {
-                            // Out of file descriptors and the like: back off instead of spinning.
-                            tracing::warn!(%error, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let shared = Arc::clone(&shared);
-                    let service = service_fn(move |request| {
-                        let shared = Arc::clone(&shared);
-                        async move { Ok::<_, Infallible>(route(&shared, request, peer).await) }
-                    });
-                    let connection = builder.serve_connection(TokioIo::new(stream), service);
-                    let connection = graceful.watch(connection.into_owned());
-                    tokio::spawn(async move {
-                        if let Err(error) = connection.await {
-                            tracing::debug!(%peer, error = %error, "connection ended with an error");
-                        }
-                    });
-                }
-                () = &mut shutdown => break,
-            }
+        acceptor.accept_until(shutdown).await;
+        shared.balancer.start_draining();
+        tracing::info!(
+            pre_drain_delay_s = config.pre_drain_delay,
+            "draining: health answers 503"
+        );
+        if let Some(delay) = Settings::optional(config.pre_drain_delay) {
+            acceptor.accept_until(tokio::time::sleep(delay)).await;
         }
+        let Acceptor {
+            listener, graceful, ..
+        } = acceptor;
         drop(listener);
         tracing::info!(
-            timeout_s = settings.config.shutdown_timeout,
-            "shutting down: listener closed, waiting for in-flight requests"
+            timeout_s = config.shutdown_timeout,
+            "listener closed, waiting for in-flight requests"
         );
         match tokio::time::timeout(settings.shutdown_timeout(), graceful.shutdown()).await {
             Ok(()) => tracing::info!("all connections finished"),
@@ -162,29 +174,77 @@ impl Router {
     }
 }
 
+/// The accept loop's state: at most `max_connections` connections are served at once; further
+/// clients wait in the listen backlog.
+struct Acceptor {
+    header_read_timeout: Duration,
+    listener: TcpListener,
+    builder: auto::Builder<TokioExecutor>,
+    graceful: GracefulShutdown,
+    slots: Arc<Semaphore>,
+    shared: Arc<Shared>,
+}
+
+impl Acceptor {
+    async fn accept_until(&self, stop: impl Future<Output = ()>) {
+        tokio::pin!(stop);
+        loop {
+            let slot = tokio::select! {
+                slot = Arc::clone(&self.slots).acquire_owned() => slot,
+                () = &mut stop => return,
+            };
+            let Ok(slot) = slot else { return };
+            let accepted = tokio::select! {
+                accepted = self.listener.accept() => accepted,
+                () = &mut stop => return,
+            };
+            match accepted {
+                Ok((stream, peer)) => self.serve_connection(stream, peer, slot),
+                Err(error) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn serve_connection(&self, stream: TcpStream, peer: SocketAddr, slot: OwnedSemaphorePermit) {
+        let _ = stream.set_nodelay(true);
+        let shared = Arc::clone(&self.shared);
+        let service = service_fn(move |request| {
+            let shared = Arc::clone(&shared);
+            async move { Ok::<_, Infallible>(route(&shared, request, peer).await) }
+        });
+        let builder = self.builder.clone();
+        let watcher = self.graceful.watcher();
+        let first_byte_within = self.header_read_timeout;
+        tokio::spawn(async move {
+            // A client that connects and sends nothing does not keep a connection slot: hyper's
+            // header timeout only starts once the protocol is known.
+            let mut first = [0u8; 1];
+            match tokio::time::timeout(first_byte_within, stream.peek(&mut first)).await {
+                Ok(Ok(read)) if read > 0 => {}
+                _ => return,
+            }
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(error) = watcher.watch(connection.into_owned()).await {
+                tracing::debug!(%peer, error = %error, "connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+}
+
 async fn route(
     shared: &Shared,
     request: Request<Incoming>,
     peer: SocketAddr,
 ) -> Response<ResponseBody> {
     if admin::is_admin_path(request.uri().path()) {
-        return admin::handle(&shared.balancer, request).await;
+        return admin::handle(&shared.balancer, &shared.admin, request).await;
     }
-    let info = RequestInfo {
-        method: request.method().clone(),
-    };
-    let lease = match shared.balancer.admit(info).await {
-        Ok(lease) => lease,
-        Err(rejection) => return response::rejection(rejection),
-    };
-    shared.balancer.metrics().dispatched.add(1, &[]);
-    tracing::debug!(
-        method = %request.method(),
-        path = request.uri().path(),
-        backend = %lease.backend().addr(),
-        "proxying request"
-    );
-    proxy::forward(&shared.client, request, lease, peer).await
+    proxy::proxy(&shared.balancer, &shared.retry, request, peer).await
 }
 
 async fn log_state_periodically(balancer: Arc<Balancer>, every: Duration) {

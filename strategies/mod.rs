@@ -22,28 +22,52 @@ pub use round_robin::RoundRobin;
 
 use crate::backend::Backend;
 
+mod affinity;
+mod p2c_peak_ewma;
 mod queued_least_latency;
 mod round_robin;
 
 /// Every registered strategy. The config name maps to its factory here and nowhere else.
-pub const REGISTRY: &[StrategyEntry] = &[queued_least_latency::ENTRY, round_robin::ENTRY];
+pub const REGISTRY: &[StrategyEntry] = &[
+    queued_least_latency::ENTRY,
+    round_robin::ENTRY,
+    p2c_peak_ewma::ENTRY,
+    affinity::ENTRY,
+];
 
 /// The strategy used when the configuration names none.
 pub const DEFAULT_STRATEGY: &str = queued_least_latency::ENTRY.name;
 
-/// What a strategy sees of the request it routes.
+/// What a strategy sees of the request it routes (kept while the request waits in the queue).
 #[derive(Debug, Clone)]
 pub struct RequestInfo {
     /// The request method.
     pub method: Method,
+    /// The hash of the request's affinity key, as derived by [`Strategy::request_key`].
+    pub key: Option<u64>,
 }
 
 impl Default for RequestInfo {
     fn default() -> Self {
         Self {
             method: Method::GET,
+            key: None,
         }
     }
+}
+
+/// The request as it arrived, for [`Strategy::request_key`]: head and the first bytes of the
+/// body (the whole body when it is at most `retry_body_limit`, else what was read by then).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    /// The request method.
+    pub method: &'a Method,
+    /// The request target.
+    pub uri: &'a http::Uri,
+    /// The request headers.
+    pub headers: &'a http::HeaderMap,
+    /// The start of the body.
+    pub body_prefix: &'a [u8],
 }
 
 /// Core settings a strategy may read when it is built.
@@ -51,12 +75,15 @@ impl Default for RequestInfo {
 pub struct StrategyContext {
     /// Seconds; the configured latency threshold.
     pub latency_threshold: f64,
+    /// The configured EWMA smoothing factor.
+    pub ewma_alpha: f64,
 }
 
 impl Default for StrategyContext {
     fn default() -> Self {
         Self {
             latency_threshold: 3.0,
+            ewma_alpha: 0.3,
         }
     }
 }
@@ -66,8 +93,12 @@ impl Default for StrategyContext {
 pub struct Outcome {
     /// Seconds from dispatch to the end of the response (or the failure).
     pub latency: f64,
-    /// Whether the attempt failed (connect or I/O error, or a 5xx answer).
+    /// Whether the attempt failed (connect, I/O or timeout error, a 5xx or a 429 answer).
     pub failed: bool,
+    /// Seconds from dispatch to the first response body byte, if one arrived.
+    pub first_byte: Option<f64>,
+    /// Response body bytes relayed.
+    pub bytes: u64,
 }
 
 /// A routing strategy. See the module docs for the contract.
@@ -79,6 +110,12 @@ pub trait Strategy: Send + Sync + 'static {
     ///
     /// Called often and never across an await: keep it cheap and allocation-free.
     fn pick(&self, request: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<usize>;
+
+    /// Derives the request's affinity key (hashed), once, before the request is admitted.
+    /// Strategies that do not route by key keep the default.
+    fn request_key(&self, _request: &RequestView<'_>) -> Option<u64> {
+        None
+    }
 
     /// Whether a request that gets `None` waits in the core queue (`true`) or is answered 503 at
     /// once (`false`).

@@ -1,8 +1,10 @@
-//! `queued-least-latency`: the backend with the lowest EWMA latency, with bursts held in the
+//! `queued-least-latency`: the backend expected to answer soonest, with bursts held in the
 //! router queue.
 //!
 //! The core keeps, per backend, an EWMA of end-to-end latency (none until the first sample), the
-//! requests in flight and the requests completed. A backend is a *candidate* when:
+//! requests in flight and the requests completed. Two scores are available (`score` param):
+//!
+//! **`score = "ewma"`: the reference implementation's rules.** A backend is a *candidate* when:
 //!
 //! 1. it was never measured and is idle: score 0 (probe it first);
 //! 2. it was never measured and has a request in flight: not a candidate until that result is in;
@@ -10,91 +12,198 @@
 //! 4. it was measured and is busy: a candidate only if its EWMA is below `latency_threshold` **and**
 //!    its in-flight count is below `ramp_up_factor × completed`; score = its EWMA.
 //!
-//! The lowest score wins; ties go to fewer requests in flight, then rotate so that equal backends
-//! share the load. When no backend is a candidate the request waits in the core's FIFO queue and
-//! is dispatched as soon as one becomes a candidate (a request finishes, the backend set changes).
+//! **`score = "load"` (default): predicted latency with a learned concurrency limit.** End-to-end
+//! latency mixes up a slow replica with a long answer, and a latency threshold is not a capacity
+//! signal, so the load score keeps rules 1 and 2 and replaces 3 and 4:
+//!
+//! - *Cost*: an EWMA of each answer's latency per KiB of response body (at least one KiB), i.e.
+//!   the replica's speed with the answer length factored out. A failed attempt counts as
+//!   `latency_threshold` per KiB, which keeps a failing replica last.
+//! - *Concurrency limit*: learned from time to first byte (for a streamed answer, the time to the
+//!   first token: queueing plus prefill). Each replica keeps a TTFB baseline (its lowest recent
+//!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline raises the limit by
+//!   about √limit; a slower one lowers it in proportion (a gradient, as in Netflix's
+//!   concurrency-limits). It starts at `initial_limit`. A measured backend is a candidate while
+//!   its in-flight count is below its limit and below `ramp_up_factor × completed`.
+//! - *Score*: cost × (in-flight + 1), the expected latency of one more request (peak-EWMA style).
+//!
+//! When every replica is at its limit, requests wait in the router queue instead of in a
+//! replica's own queue, so a replica added during a burst takes the waiting requests at once.
+//!
+//! In both modes the lowest score wins; ties go to fewer requests in flight, then rotate. When no
+//! backend is a candidate the request waits in the core's FIFO queue and is dispatched as soon as
+//! one becomes a candidate (a request finishes, the backend set changes).
 //!
 //! The core records a failed attempt (connect error, I/O error, 5xx) as a latency sample of at
 //! least the threshold and keeps the backend occupied for that long, so a dead or failing
-//! replica is neither preferred nor retried at once. Use this strategy when replicas differ in
-//! speed or when bursts should wait in the router for a replica with room instead of piling onto
-//! busy ones.
+//! replica is neither preferred nor retried at once.
 //!
 //! ```toml
 //! latency_threshold = 3.0      # top-level: used by the core and by this strategy
 //! [strategy]
 //! name = "queued-least-latency"
 //! [strategy.params]
+//! score = "load"               # or "ewma" for the reference rules
 //! ramp_up_factor = 5
+//! ttfb_tolerance = 2.0
+//! initial_limit = 4
 //! ```
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use figment::value::Value;
 use serde::Deserialize;
 
-use super::{ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry, parse_params};
+use super::{
+    Outcome, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry, parse_params,
+};
 use crate::backend::Backend;
 
 /// Registry entry.
 pub const ENTRY: StrategyEntry = StrategyEntry {
     name: "queued-least-latency",
-    summary: "lowest EWMA latency below the threshold; bursts wait in the router queue",
+    summary: "fastest replica with room (learned limits); bursts wait in the router queue",
     build,
 };
+
+/// Which score ranks the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Score {
+    /// The reference implementation's rules: lowest end-to-end EWMA under the threshold.
+    Ewma,
+    /// Predicted latency (size-normalised cost × load) within a learned concurrency limit.
+    Load,
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct Params {
+    score: Score,
     /// A busy backend may hold at most this many requests per completed request.
     ramp_up_factor: f64,
+    /// TTFB up to this multiple of the baseline does not lower the limit (`load`).
+    ttfb_tolerance: f64,
+    /// Concurrency limit of a backend before it has answered (`load`).
+    initial_limit: f64,
+    /// Highest concurrency limit (`load`).
+    max_limit: f64,
 }
 
 impl Default for Params {
     fn default() -> Self {
         Self {
+            score: Score::Load,
             ramp_up_factor: 5.0,
+            ttfb_tolerance: 2.0,
+            initial_limit: 4.0,
+            max_limit: 1000.0,
         }
+    }
+}
+
+fn positive(field: &str, value: f64, minimum: f64) -> Result<(), ParamsError> {
+    if value.is_finite() && value >= minimum && value > 0.0 {
+        Ok(())
+    } else {
+        Err(ParamsError::new(
+            field,
+            format!("expected a number of at least {minimum} (and above 0), found {value}"),
+        ))
     }
 }
 
 fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>, ParamsError> {
     let params: Params = parse_params(params)?;
-    if !(params.ramp_up_factor.is_finite() && params.ramp_up_factor > 0.0) {
-        return Err(ParamsError::new(
-            "ramp_up_factor",
-            format!(
-                "expected a positive number, found {}",
-                params.ramp_up_factor
-            ),
-        ));
-    }
-    Ok(Arc::new(QueuedLeastLatency::new(
-        context.latency_threshold,
-        params.ramp_up_factor,
-    )))
+    positive("ramp_up_factor", params.ramp_up_factor, 0.0)?;
+    positive("ttfb_tolerance", params.ttfb_tolerance, 1.0)?;
+    positive("initial_limit", params.initial_limit, 1.0)?;
+    positive("max_limit", params.max_limit, params.initial_limit)?;
+    let strategy = QueuedLeastLatency {
+        score: params.score,
+        latency_threshold: context.latency_threshold,
+        ewma_alpha: context.ewma_alpha,
+        ramp_up_factor: params.ramp_up_factor,
+        ttfb_tolerance: params.ttfb_tolerance,
+        initial_limit: params.initial_limit,
+        max_limit: params.max_limit,
+        learned: Mutex::default(),
+        rotation: AtomicUsize::new(0),
+    };
+    Ok(Arc::new(strategy))
 }
+
+/// What the load score learns about one backend.
+#[derive(Debug, Clone, Copy)]
+struct Learned {
+    /// EWMA of seconds per KiB of answer.
+    cost: f64,
+    /// Lowest recent time to first byte, in seconds.
+    ttfb_baseline: Option<f64>,
+    /// Concurrency limit.
+    limit: f64,
+}
+
+/// How fast a raised TTFB baseline catches up (per sample), so a replica that became slower for
+/// good is not judged against its old best forever.
+const BASELINE_DRIFT: f64 = 0.02;
+/// Weight of a new limit estimate.
+const LIMIT_SMOOTHING: f64 = 0.2;
 
 /// The queued-least-latency strategy. See the module docs for the rules.
 #[derive(Debug)]
 pub struct QueuedLeastLatency {
+    score: Score,
     latency_threshold: f64,
+    ewma_alpha: f64,
     ramp_up_factor: f64,
+    ttfb_tolerance: f64,
+    initial_limit: f64,
+    max_limit: f64,
+    learned: Mutex<HashMap<u64, Learned>>,
     rotation: AtomicUsize,
 }
 
 impl QueuedLeastLatency {
-    /// A strategy with the given threshold (seconds) and ramp-up factor.
-    pub fn new(latency_threshold: f64, ramp_up_factor: f64) -> Self {
+    /// The reference rules (`score = "ewma"`) with the given threshold and ramp-up factor.
+    pub fn ewma(latency_threshold: f64, ramp_up_factor: f64) -> Self {
         Self {
+            score: Score::Ewma,
             latency_threshold,
             ramp_up_factor,
+            ..Self::load(latency_threshold)
+        }
+    }
+
+    /// The load score with default parameters.
+    pub fn load(latency_threshold: f64) -> Self {
+        let params = Params::default();
+        Self {
+            score: Score::Load,
+            latency_threshold,
+            ewma_alpha: 0.3,
+            ramp_up_factor: params.ramp_up_factor,
+            ttfb_tolerance: params.ttfb_tolerance,
+            initial_limit: params.initial_limit,
+            max_limit: params.max_limit,
+            learned: Mutex::default(),
             rotation: AtomicUsize::new(0),
         }
     }
 
-    /// The score of `backend` if it is a candidate (rules 1–4).
+    fn learned(&self) -> MutexGuard<'_, HashMap<u64, Learned>> {
+        self.learned
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn ramp_room(&self, backend: &Backend, busy: usize) -> bool {
+        (busy as f64) < self.ramp_up_factor * backend.completed() as f64
+    }
+
+    /// The reference score of `backend` if it is a candidate (rules 1–4).
     pub fn score(&self, backend: &Backend) -> Option<f64> {
         let in_flight = backend.in_flight();
         match (backend.ewma_latency(), in_flight) {
@@ -102,24 +211,74 @@ impl QueuedLeastLatency {
             (None, _) => None,
             (Some(ewma), 0) => Some(ewma),
             (Some(ewma), busy) => {
-                let ramp_limit = self.ramp_up_factor * backend.completed() as f64;
-                (ewma < self.latency_threshold && (busy as f64) < ramp_limit).then_some(ewma)
+                (ewma < self.latency_threshold && self.ramp_room(backend, busy)).then_some(ewma)
             }
         }
     }
-}
 
-impl Strategy for QueuedLeastLatency {
-    fn name(&self) -> &'static str {
-        ENTRY.name
+    /// The load score of `backend` if it is a candidate.
+    fn load_score(&self, backend: &Backend, learned: &HashMap<u64, Learned>) -> Option<f64> {
+        let in_flight = backend.in_flight();
+        let Some(ewma) = backend.ewma_latency() else {
+            return (in_flight == 0).then_some(0.0);
+        };
+        let state = learned.get(&backend.id());
+        let limit = state.map_or(self.initial_limit, |s| s.limit);
+        let cost = state.map_or(ewma, |s| s.cost);
+        let room =
+            in_flight == 0 || ((in_flight as f64) < limit && self.ramp_room(backend, in_flight));
+        room.then_some(cost * (in_flight + 1) as f64)
     }
 
-    fn pick(&self, _request: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<usize> {
+    /// The current concurrency limit learned for `backend` (`load` score).
+    pub fn limit(&self, backend: &Backend) -> f64 {
+        self.learned()
+            .get(&backend.id())
+            .map_or(self.initial_limit, |s| s.limit)
+    }
+
+    fn learn(&self, backend: &Backend, outcome: &Outcome) {
+        let kib = (outcome.bytes as f64 / 1024.0).max(1.0);
+        let cost_sample = if outcome.failed {
+            self.latency_threshold.max(outcome.latency)
+        } else {
+            outcome.latency / kib
+        };
+        let mut learned = self.learned();
+        let state = learned.entry(backend.id()).or_insert(Learned {
+            cost: cost_sample,
+            ttfb_baseline: None,
+            limit: self.initial_limit,
+        });
+        state.cost = self.ewma_alpha * cost_sample + (1.0 - self.ewma_alpha) * state.cost;
+        let (Some(ttfb), false) = (outcome.first_byte, outcome.failed) else {
+            return;
+        };
+        let baseline = match state.ttfb_baseline {
+            Some(old) if ttfb >= old => old + (ttfb - old) * BASELINE_DRIFT,
+            _ => ttfb,
+        };
+        state.ttfb_baseline = Some(baseline);
+        let gradient = (self.ttfb_tolerance * baseline / ttfb.max(1e-6)).clamp(0.5, 1.0);
+        let target = if gradient >= 1.0 {
+            state.limit + state.limit.sqrt()
+        } else {
+            state.limit * gradient
+        };
+        state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit + LIMIT_SMOOTHING * target)
+            .clamp(1.0, self.max_limit);
+    }
+
+    fn best<F: Fn(&Backend) -> Option<f64>>(
+        &self,
+        candidates: &[Arc<Backend>],
+        score: F,
+    ) -> Option<usize> {
         // First pass: the best (score, in-flight) and how many backends share it.
         let mut best: Option<(f64, usize)> = None;
         let mut ties = 0usize;
         for backend in candidates {
-            let Some(score) = self.score(backend) else {
+            let Some(score) = score(backend) else {
                 continue;
             };
             let key = (score, backend.in_flight());
@@ -136,9 +295,7 @@ impl Strategy for QueuedLeastLatency {
         // Second pass: rotate among the tied backends.
         let mut skip = self.rotation.fetch_add(1, Ordering::Relaxed) % ties;
         candidates.iter().position(|backend| {
-            let tied = self
-                .score(backend)
-                .is_some_and(|score| (score, backend.in_flight()) == best);
+            let tied = score(backend).is_some_and(|score| (score, backend.in_flight()) == best);
             if tied {
                 if skip == 0 {
                     return true;
@@ -150,6 +307,37 @@ impl Strategy for QueuedLeastLatency {
     }
 }
 
+impl Strategy for QueuedLeastLatency {
+    fn name(&self) -> &'static str {
+        ENTRY.name
+    }
+
+    fn pick(&self, _request: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<usize> {
+        match self.score {
+            Score::Ewma => self.best(candidates, |backend| self.score(backend)),
+            Score::Load => {
+                let learned = self.learned();
+                self.best(candidates, |backend| self.load_score(backend, &learned))
+            }
+        }
+    }
+
+    fn on_outcome(&self, backend: &Backend, outcome: &Outcome) {
+        if self.score == Score::Load {
+            self.learn(backend, outcome);
+        }
+    }
+
+    fn on_backends_changed(&self, backends: &[Arc<Backend>]) {
+        // Keep what was learned about ejected or paused backends; forget removed ones once the
+        // map is much larger than the set.
+        let mut learned = self.learned();
+        if learned.len() > 4 * backends.len().max(8) {
+            learned.retain(|id, _| backends.iter().any(|b| b.id() == *id));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,7 +345,7 @@ mod tests {
     const THRESHOLD: f64 = 3.0;
 
     fn strategy() -> QueuedLeastLatency {
-        QueuedLeastLatency::new(THRESHOLD, 5.0)
+        QueuedLeastLatency::ewma(THRESHOLD, 5.0)
     }
 
     fn backend(ewma: Option<f64>, in_flight: usize, completed: u64) -> Arc<Backend> {

@@ -9,57 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use custom_router::config::Config;
 use http::{Request, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-
-fn qll() -> Config {
-    let mut config = Config::default();
-    config.strategy.name = "queued-least-latency".to_owned();
-    config
-}
-
-/// A backend that answers 200 after `delay`.
-async fn slow_backend(delay: Duration) -> FakeBackend {
-    spawn_backend(move |_request| async move {
-        tokio::time::sleep(delay).await;
-        respond(StatusCode::OK, "ok")
-    })
-    .await
-}
-
-/// An address on loopback where nothing listens.
-fn refusing_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
-}
-
-/// Sends `total` GETs with `concurrency` clients; returns the statuses.
-async fn run_load(router: &TestRouter, total: usize, concurrency: usize) -> Vec<StatusCode> {
-    let next = Arc::new(AtomicUsize::new(0));
-    let statuses = Arc::new(Mutex::new(Vec::with_capacity(total)));
-    let mut workers = Vec::new();
-    for _ in 0..concurrency {
-        let (next, statuses, url) = (
-            Arc::clone(&next),
-            Arc::clone(&statuses),
-            router.url("/generate"),
-        );
-        workers.push(tokio::spawn(async move {
-            let client = client();
-            while next.fetch_add(1, Ordering::SeqCst) < total {
-                let request = Request::get(&url).body(full("")).unwrap();
-                let status = client.request(request).await.unwrap().status();
-                statuses.lock().unwrap().push(status);
-            }
-        }));
-    }
-    for worker in workers {
-        worker.await.unwrap();
-    }
-    Arc::try_unwrap(statuses).unwrap().into_inner().unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_refusing_connections_costs_at_most_two_percent() {
@@ -68,7 +20,10 @@ async fn one_replica_refusing_connections_costs_at_most_two_percent() {
         slow_backend(Duration::from_millis(20)).await,
         slow_backend(Duration::from_millis(20)).await,
     ];
-    let router = start_router(qll()).await;
+    // Retries off: the strategy rule alone must keep the dead replica from attracting traffic.
+    let mut config = qll();
+    config.max_attempts = 1;
+    let router = start_router(config).await;
     let mut addrs: Vec<String> = healthy.iter().map(FakeBackend::host_port).collect();
     addrs.insert(1, refusing_addr());
     set_backends(router.addr, &addrs).await;
@@ -89,7 +44,9 @@ async fn one_replica_answering_500_at_once_costs_at_most_ten_percent() {
         slow_backend(Duration::from_millis(20)).await,
         slow_backend(Duration::from_millis(20)).await,
     ];
-    let router = start_router(qll()).await;
+    let mut config = qll();
+    config.max_attempts = 1;
+    let router = start_router(config).await;
     let mut addrs: Vec<String> = healthy.iter().map(FakeBackend::host_port).collect();
     addrs.insert(2, failing.host_port());
     set_backends(router.addr, &addrs).await;

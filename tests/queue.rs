@@ -1,5 +1,6 @@
-//! The core queue and the queued-least-latency rules, driven through the balancer with paused
-//! tokio time (no sockets: the rules are about counts and clocks).
+//! The core queue and the queued-least-latency reference rules (`score = "ewma"`), driven
+//! through the balancer with paused tokio time (no sockets: the rules are about counts and
+//! clocks).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,11 +16,18 @@ use tokio::time::{Instant, advance};
 const OK: Finish = Finish {
     status: Some(StatusCode::OK),
     error: None,
+    retry_after: None,
+    bytes: 0,
 };
 
+/// A queued-least-latency balancer with the reference rules (`score = "ewma"`).
 fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
     let mut config = Config::default();
     config.strategy.name = "queued-least-latency".to_owned();
+    config
+        .strategy
+        .params
+        .insert("score".into(), figment::value::Value::from("ewma"));
     configure(&mut config);
     Balancer::new(&Settings::from_config(config).unwrap()).unwrap()
 }
@@ -278,6 +286,8 @@ async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_back
     dead.finish(Finish {
         status: None,
         error: Some(ErrorKind::Connect),
+        retry_after: None,
+        bytes: 0,
     });
     finish_after(live, Duration::from_millis(49)).await;
     assert_eq!(backends[0].ewma_latency(), Some(2.0));
@@ -304,6 +314,8 @@ async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_back
     lease.finish(Finish {
         status: Some(StatusCode::INTERNAL_SERVER_ERROR),
         error: None,
+        retry_after: None,
+        bytes: 0,
     });
     assert_eq!(backends[0].ewma_latency(), Some(2.0));
 }

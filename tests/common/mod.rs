@@ -56,6 +56,7 @@ pub struct FakeBackend {
     /// Requests it has received.
     pub hits: Arc<AtomicUsize>,
     task: JoinHandle<()>,
+    connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
 }
 
 impl FakeBackend {
@@ -68,11 +69,19 @@ impl FakeBackend {
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
+
+    /// Stops listening and drops every open connection, as a crashed process would.
+    pub fn kill(&self) {
+        self.task.abort();
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
 }
 
 impl Drop for FakeBackend {
     fn drop(&mut self) {
-        self.task.abort();
+        self.kill();
     }
 }
 
@@ -86,6 +95,8 @@ where
     let addr = listener.local_addr().unwrap();
     let hits = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&hits);
+    let connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+    let open = Arc::clone(&connections);
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
@@ -93,7 +104,7 @@ where
             };
             let handler = handler.clone();
             let counter = Arc::clone(&counter);
-            tokio::spawn(async move {
+            let connection = tokio::spawn(async move {
                 let service = service_fn(move |request| {
                     counter.fetch_add(1, Ordering::SeqCst);
                     let response = handler(request);
@@ -103,9 +114,17 @@ where
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
             });
+            let mut open = open.lock().unwrap();
+            open.retain(|handle| !handle.is_finished());
+            open.push(connection.abort_handle());
         }
     });
-    FakeBackend { addr, hits, task }
+    FakeBackend {
+        addr,
+        hits,
+        task,
+        connections,
+    }
 }
 
 /// A backend that answers `200 name` to everything, with `x-backend: name`.
@@ -179,6 +198,54 @@ pub fn round_robin() -> Config {
     let mut config = Config::default();
     config.strategy.name = "round-robin".to_owned();
     config
+}
+
+/// A queued-least-latency router config.
+pub fn qll() -> Config {
+    let mut config = Config::default();
+    config.strategy.name = "queued-least-latency".to_owned();
+    config
+}
+
+/// A backend that answers 200 after `delay`.
+pub async fn slow_backend(delay: Duration) -> FakeBackend {
+    spawn_backend(move |_request| async move {
+        tokio::time::sleep(delay).await;
+        respond(StatusCode::OK, "ok")
+    })
+    .await
+}
+
+/// An address on loopback where nothing listens.
+pub fn refusing_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// Sends `total` GETs with `concurrency` clients; returns the statuses.
+pub async fn run_load(router: &TestRouter, total: usize, concurrency: usize) -> Vec<StatusCode> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let statuses = Arc::new(Mutex::new(Vec::with_capacity(total)));
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (next, statuses, url) = (
+            Arc::clone(&next),
+            Arc::clone(&statuses),
+            router.url("/generate"),
+        );
+        workers.push(tokio::spawn(async move {
+            let client = client();
+            while next.fetch_add(1, Ordering::SeqCst) < total {
+                let request = Request::get(&url).body(full("")).unwrap();
+                let status = client.request(request).await.unwrap().status();
+                statuses.lock().unwrap().push(status);
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    Arc::try_unwrap(statuses).unwrap().into_inner().unwrap()
 }
 
 /// An HTTP/1.1 client.

@@ -1,0 +1,363 @@
+//! Load generator: open-loop Poisson arrivals or closed-loop workers, with per-request records.
+//!
+//! Open loop: the whole schedule (arrival times, answer lengths, streaming or not) is drawn up
+//! front from a seeded RNG by [`plan`], so every strategy and peer of a scenario receives exactly
+//! the same requests at the same offsets. Requests are sent at their time whether or not earlier
+//! ones have finished, as real clients do.
+//!
+//! Closed loop: `concurrency` workers each send a request as soon as their previous one finished;
+//! this measures the most a proxy can carry (the overhead scenario).
+//!
+//! Every request is a `POST /generate` with a TGI-style JSON body
+//! (`{"inputs": ..., "parameters": {"max_new_tokens": N}, "stream": bool}`).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// The header naming the replica that answered (set by the simulated replica).
+pub const REPLICA_HEADER: &str = "x-sim-replica";
+
+/// The HTTP/1.1 client every request goes through (keep-alive pool, `TCP_NODELAY`).
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// A new client with its own connection pool.
+pub fn http_client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+/// How many tokens each request asks for.
+#[derive(Debug, Clone)]
+pub enum Lengths {
+    /// Always `n`.
+    Fixed(u32),
+    /// Uniform in `min..=max`.
+    Uniform { min: u32, max: u32 },
+    /// Log-normal (heavy-tailed) with the given median and shape, clamped to `1..=max`.
+    LogNormal { median: f64, sigma: f64, max: u32 },
+}
+
+impl Lengths {
+    /// One draw.
+    pub fn sample(&self, rng: &mut fastrand::Rng) -> u32 {
+        match *self {
+            Lengths::Fixed(n) => n,
+            Lengths::Uniform { min, max } => rng.u32(min..=max),
+            Lengths::LogNormal { median, sigma, max } => {
+                let draw = median * (sigma * standard_normal(rng)).exp();
+                (draw.round() as u32).clamp(1, max)
+            }
+        }
+    }
+
+    /// The mean, estimated from a fixed number of draws with a fixed seed.
+    pub fn mean(&self) -> f64 {
+        const DRAWS: u32 = 100_000;
+        let mut rng = fastrand::Rng::with_seed(0x5eed);
+        let total: f64 = (0..DRAWS).map(|_| f64::from(self.sample(&mut rng))).sum();
+        total / f64::from(DRAWS)
+    }
+
+    /// A short description for reports.
+    pub fn describe(&self) -> String {
+        match *self {
+            Lengths::Fixed(n) => format!("{n} tokens"),
+            Lengths::Uniform { min, max } => format!("uniform {min}..={max} tokens"),
+            Lengths::LogNormal { median, sigma, max } => {
+                format!("log-normal tokens (median {median}, σ {sigma}, at most {max})")
+            }
+        }
+    }
+}
+
+/// A standard normal draw (Box–Muller).
+fn standard_normal(rng: &mut fastrand::Rng) -> f64 {
+    let u1 = 1.0 - rng.f64(); // in (0, 1]
+    let u2 = rng.f64();
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// An open-loop load: Poisson arrivals plus an optional burst at time 0.
+#[derive(Debug, Clone)]
+pub struct OpenLoop {
+    /// Mean arrivals per second.
+    pub rate: f64,
+    /// How long arrivals go on.
+    pub duration: Duration,
+    /// Requests sent at once at time 0, on top of the Poisson arrivals.
+    pub burst: usize,
+    /// Answer lengths.
+    pub lengths: Lengths,
+    /// Fraction (0..=1) of requests that ask for a stream.
+    pub stream_fraction: f64,
+    /// Seeds the schedule.
+    pub seed: u64,
+    /// A request not finished after this long is recorded as a timeout.
+    pub request_timeout: Duration,
+    /// Upper bound on the number of requests in the schedule.
+    pub max_requests: usize,
+}
+
+/// One request of a schedule.
+#[derive(Debug, Clone, Copy)]
+pub struct Planned {
+    /// Offset from the start of the run.
+    pub at: Duration,
+    /// Tokens asked for.
+    pub max_tokens: u32,
+    /// Whether it asks for a stream.
+    pub stream: bool,
+}
+
+/// Draws the whole schedule of `load`.
+pub fn plan(load: &OpenLoop) -> Vec<Planned> {
+    let mut rng = fastrand::Rng::with_seed(load.seed);
+    let mut requests = Vec::new();
+    for _ in 0..load.burst.min(load.max_requests) {
+        requests.push(draw_request(load, &mut rng, Duration::ZERO));
+    }
+    let end = load.duration.as_secs_f64();
+    let mut at = 0.0;
+    while requests.len() < load.max_requests && load.rate > 0.0 {
+        at += -(1.0 - rng.f64()).ln() / load.rate;
+        if at >= end {
+            break;
+        }
+        requests.push(draw_request(load, &mut rng, Duration::from_secs_f64(at)));
+    }
+    requests
+}
+
+fn draw_request(load: &OpenLoop, rng: &mut fastrand::Rng, at: Duration) -> Planned {
+    Planned {
+        at,
+        max_tokens: load.lengths.sample(rng),
+        stream: rng.f64() < load.stream_fraction,
+    }
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Seconds from the start of the run to sending.
+    pub sent_at: f64,
+    /// Seconds from sending to the end of the body (or to the failure).
+    pub latency: f64,
+    /// Seconds from sending to the first body byte (equal to `latency` when there was none).
+    pub ttfb: f64,
+    /// HTTP status, 0 when no response arrived.
+    pub status: u16,
+    /// Whether the whole body arrived.
+    pub complete: bool,
+    /// The `x-sim-replica` header of the answer.
+    pub replica: Option<String>,
+    /// Why no complete answer arrived: `connect`, `body`, `timeout`.
+    pub error: Option<&'static str>,
+}
+
+impl Record {
+    /// A 2xx answer received in full.
+    pub fn is_success(&self) -> bool {
+        (200..300).contains(&self.status) && self.complete
+    }
+}
+
+/// Live counters, for a progress display.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Requests finished (any outcome).
+    pub finished: AtomicU64,
+    /// Requests that did not end in a complete 2xx answer.
+    pub failed: AtomicU64,
+    /// Answers per replica name (any status).
+    pub answered_by: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Progress {
+    fn count(&self, record: &Record) {
+        self.finished.fetch_add(1, Ordering::Relaxed);
+        if !record.is_success() {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(replica) = &record.replica {
+            *self
+                .answered_by
+                .lock()
+                .expect("progress lock")
+                .entry(replica.clone())
+                .or_default() += 1;
+        }
+    }
+}
+
+/// Sends `schedule` to `target`, each request at its offset, and waits for all of them (each is
+/// bounded by `request_timeout`). Records come back in schedule order.
+pub async fn run_open_loop(
+    target: SocketAddr,
+    schedule: Vec<Planned>,
+    request_timeout: Duration,
+    progress: Option<Arc<Progress>>,
+) -> Vec<Record> {
+    let client = http_client();
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+    for (index, planned) in schedule.iter().copied().enumerate() {
+        tokio::time::sleep_until(start + planned.at).await;
+        let client = client.clone();
+        let progress = progress.clone();
+        tasks.spawn(async move {
+            let body = request_body(planned.max_tokens, planned.stream);
+            let sent_at = start.elapsed().as_secs_f64();
+            let record = send(&client, target, body, sent_at, request_timeout).await;
+            if let Some(progress) = progress {
+                progress.count(&record);
+            }
+            (index, record)
+        });
+    }
+    let mut records: Vec<Option<Record>> = vec![None; schedule.len()];
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok((index, record)) = joined {
+            records[index] = Some(record);
+        }
+    }
+    records.into_iter().flatten().collect()
+}
+
+/// A closed-loop load: `concurrency` workers sending back to back.
+#[derive(Debug, Clone)]
+pub struct ClosedLoop {
+    /// Workers.
+    pub concurrency: usize,
+    /// How long they keep sending.
+    pub duration: Duration,
+    /// Tokens each request asks for.
+    pub max_tokens: u32,
+    /// Upper bound on requests per worker.
+    pub max_requests_per_worker: usize,
+    /// A request not finished after this long is recorded as a timeout.
+    pub request_timeout: Duration,
+}
+
+/// Runs `load` against `target` and returns every record.
+pub async fn run_closed_loop(target: SocketAddr, load: &ClosedLoop) -> Vec<Record> {
+    let client = http_client();
+    let start = Instant::now();
+    let deadline = start + load.duration;
+    let mut workers = JoinSet::new();
+    for _ in 0..load.concurrency {
+        let client = client.clone();
+        let load = load.clone();
+        workers.spawn(async move {
+            let mut records = Vec::new();
+            while Instant::now() < deadline && records.len() < load.max_requests_per_worker {
+                let body = request_body(load.max_tokens, false);
+                let sent_at = start.elapsed().as_secs_f64();
+                records.push(send(&client, target, body, sent_at, load.request_timeout).await);
+            }
+            records
+        });
+    }
+    let mut records = Vec::new();
+    while let Some(joined) = workers.join_next().await {
+        if let Ok(worker_records) = joined {
+            records.extend(worker_records);
+        }
+    }
+    records
+}
+
+/// The JSON body of one request.
+pub fn request_body(max_tokens: u32, stream: bool) -> Bytes {
+    Bytes::from(format!(
+        "{{\"inputs\":\"Tell me about load balancing.\",\"parameters\":{{\"max_new_tokens\":{max_tokens}}},\"stream\":{stream}}}"
+    ))
+}
+
+/// Sends one request and records what happened, within `limit`.
+pub async fn send(
+    client: &HttpClient,
+    target: SocketAddr,
+    body: Bytes,
+    sent_at: f64,
+    limit: Duration,
+) -> Record {
+    let started = Instant::now();
+    let mut record = Record {
+        sent_at,
+        latency: 0.0,
+        ttfb: 0.0,
+        status: 0,
+        complete: false,
+        replica: None,
+        error: None,
+    };
+    let exchange = exchange(client, target, body, started, &mut record);
+    if tokio::time::timeout(limit, exchange).await.is_err() {
+        record.error = Some("timeout");
+    }
+    record.latency = started.elapsed().as_secs_f64();
+    if record.ttfb == 0.0 {
+        record.ttfb = record.latency;
+    }
+    record
+}
+
+async fn exchange(
+    client: &HttpClient,
+    target: SocketAddr,
+    body: Bytes,
+    started: Instant,
+    record: &mut Record,
+) {
+    let request = Request::post(format!("http://{target}/generate"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .expect("a valid request");
+    let response = match client.request(request).await {
+        Ok(response) => response,
+        Err(_) => {
+            record.error = Some("connect");
+            return;
+        }
+    };
+    record.status = response.status().as_u16();
+    record.replica = response
+        .headers()
+        .get(REPLICA_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let mut body = response.into_body();
+    loop {
+        match body.frame().await {
+            None => {
+                record.complete = true;
+                return;
+            }
+            Some(Ok(frame)) => {
+                let has_data = frame.data_ref().is_some_and(|data| !data.is_empty());
+                if has_data && record.ttfb == 0.0 {
+                    record.ttfb = started.elapsed().as_secs_f64();
+                }
+            }
+            Some(Err(_)) => {
+                record.error = Some("body");
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! The benchmark lab: simulated LLM replicas, a load generator, scenarios run against every
+//! registered strategy (and nginx when it is installed), and reports in markdown, JSON and SVG.
+//!
+//! - [`sim`]: the simulated replica (also `examples/sim_replica.rs`).
+//! - [`load`]: open-loop Poisson and closed-loop load, one record per request.
+//! - [`scenarios`]: what each scenario sets up and how it is run against a peer.
+//! - [`peer`], [`router`], [`nginx`]: the router binary and nginx as child processes.
+//! - [`report`]: numbers, tables, JSON and CDF plots.
+//!
+//! [`run_suite`] runs everything; `benches/suite.rs` is its command line and
+//! `tests/bench_smoke.rs` runs it in smoke mode. See `docs/benchmarks.md`.
+#![allow(dead_code)]
+
+pub mod load;
+pub mod nginx;
+pub mod peer;
+pub mod report;
+pub mod router;
+pub mod scenarios;
+pub mod sim;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use custom_router::strategies::REGISTRY;
+
+use self::nginx::Balance;
+use self::peer::PeerSpec;
+use self::report::SuiteReport;
+use self::scenarios::{Kind, PeerOutcome, RunContext, Scenario};
+
+/// An error of the lab, as text.
+#[derive(Debug)]
+pub struct LabError(String);
+
+impl LabError {
+    /// An error saying `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+impl std::fmt::Display for LabError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for LabError {}
+
+impl From<std::io::Error> for LabError {
+    fn from(error: std::io::Error) -> Self {
+        Self(error.to_string())
+    }
+}
+
+/// How long the suite runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The durations of `scenarios.rs`.
+    Default,
+    /// 15% of them.
+    Quick,
+    /// A twenty-fifth, for the smoke test.
+    Smoke,
+}
+
+impl Mode {
+    /// Multiplies every scenario duration.
+    pub fn time_scale(self) -> f64 {
+        match self {
+            Mode::Default => 1.0,
+            Mode::Quick => 0.15,
+            Mode::Smoke => 0.04,
+        }
+    }
+
+    /// How long requests still running after the last arrival may take.
+    pub fn drain_limit(self) -> Duration {
+        match self {
+            Mode::Default => Duration::from_secs(60),
+            Mode::Quick => Duration::from_secs(30),
+            Mode::Smoke => Duration::from_secs(10),
+        }
+    }
+
+    /// `default`, `quick` or `smoke`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Default => "default",
+            Mode::Quick => "quick",
+            Mode::Smoke => "smoke",
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct SuiteOptions {
+    /// Durations.
+    pub mode: Mode,
+    /// Scenario names to run; empty runs all.
+    pub scenarios: Vec<String>,
+    /// Strategy names to run; empty runs every registered one.
+    pub strategies: Vec<String>,
+    /// Whether nginx takes part when it is installed.
+    pub nginx: bool,
+    /// The seed of the first run; run `i` uses `seed + i`.
+    pub seed: u64,
+    /// Runs, each with its own seed; numbers are medians over the runs.
+    pub runs: usize,
+    /// Where reports and peer files go.
+    pub out_dir: PathBuf,
+    /// The router executable.
+    pub router_binary: PathBuf,
+    /// The command line shown in the report.
+    pub command: String,
+}
+
+/// Runs the selected scenarios against every selected peer and returns the report (not yet
+/// written; see [`report::write_all`]).
+pub async fn run_suite(options: &SuiteOptions) -> Result<SuiteReport, LabError> {
+    let scenarios = selected_scenarios(&options.scenarios)?;
+    let nginx_binary = if options.nginx {
+        nginx::find_nginx()
+    } else {
+        None
+    };
+    let peers = peer_specs(&options.strategies, nginx_binary.as_deref())?;
+    let work_dir = options.out_dir.join("work");
+    std::fs::create_dir_all(&work_dir)?;
+    let seeds: Vec<u64> = (0..options.runs.max(1) as u64)
+        .map(|run| options.seed.wrapping_add(run))
+        .collect();
+    let mut reports = Vec::new();
+    for scenario in &scenarios {
+        let mut runs = Vec::new();
+        for &seed in &seeds {
+            let context = RunContext {
+                mode: options.mode,
+                seed,
+                router_binary: &options.router_binary,
+                work_dir: &work_dir,
+            };
+            let outcomes = scenario.run(&peers, context).await;
+            print_progress(scenario.name, seed, &outcomes);
+            runs.push(outcomes);
+        }
+        let setup = describe(scenario, options.mode);
+        reports.push(report::aggregate(scenario, setup, runs));
+    }
+    Ok(SuiteReport {
+        mode: options.mode.name().to_owned(),
+        command: options.command.clone(),
+        date_utc: report::utc_now(),
+        seeds,
+        machine: report::machine(nginx_binary.as_deref().map(nginx::version)),
+        scenarios: reports,
+    })
+}
+
+/// The scenarios named in `names` (all when empty), in report order.
+pub fn selected_scenarios(names: &[String]) -> Result<Vec<Scenario>, LabError> {
+    let all = scenarios::all();
+    for name in names {
+        if !all.iter().any(|scenario| scenario.name == name) {
+            let known: Vec<&str> = all.iter().map(|s| s.name).collect();
+            return Err(LabError::new(format!(
+                "unknown scenario {name:?}; known: {}",
+                known.join(", ")
+            )));
+        }
+    }
+    Ok(all
+        .into_iter()
+        .filter(|scenario| names.is_empty() || names.iter().any(|n| n == scenario.name))
+        .collect())
+}
+
+/// Every registered strategy (or those in `names`), then nginx round-robin and least_conn.
+pub fn peer_specs(names: &[String], nginx: Option<&Path>) -> Result<Vec<PeerSpec>, LabError> {
+    for name in names {
+        if !REGISTRY.iter().any(|entry| entry.name == name) {
+            return Err(LabError::new(format!("unknown strategy {name:?}")));
+        }
+    }
+    let mut peers: Vec<PeerSpec> = REGISTRY
+        .iter()
+        .filter(|entry| names.is_empty() || names.iter().any(|n| n == entry.name))
+        .map(|entry| PeerSpec::Strategy(entry.name.to_owned()))
+        .collect();
+    if let Some(binary) = nginx {
+        for balance in [Balance::RoundRobin, Balance::LeastConn] {
+            peers.push(PeerSpec::Nginx {
+                binary: binary.to_owned(),
+                balance,
+            });
+        }
+    }
+    Ok(peers)
+}
+
+fn describe(scenario: &Scenario, mode: Mode) -> String {
+    match &scenario.kind {
+        Kind::Routing(routing) => routing.describe(mode),
+        Kind::Overhead(overhead) => format!(
+            "one backend answering a small JSON document at once; POST /generate; closed loop at concurrency {:?}, {:.1} s each after {:.1} s of warm-up",
+            overhead.concurrencies,
+            overhead.duration * mode.time_scale(),
+            (overhead.warmup * mode.time_scale()).max(0.1),
+        ),
+    }
+}
+
+fn print_progress(scenario: &str, seed: u64, outcomes: &[PeerOutcome]) {
+    for (peer, outcome) in outcomes {
+        match outcome {
+            Ok(run) => {
+                let shown: Vec<String> = [
+                    "requests",
+                    "latency_p50_s",
+                    "latency_p99_s",
+                    "error_pct",
+                    "rps_c1",
+                    "rps_c32",
+                ]
+                .iter()
+                .filter_map(|key| Some(format!("{key}={:.3}", run.metrics.get(*key)?)))
+                .collect();
+                eprintln!("[bench] {scenario} seed {seed} {peer}: {}", shown.join(" "));
+            }
+            Err(error) => eprintln!("[bench] {scenario} seed {seed} {peer}: FAILED: {error}"),
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! Which backends may be picked: outlier ejection, busy pauses, readmission probes, panic mode.
+//!
+//! - A backend with `consecutive_failures` failures in a row (connect error, timeout, I/O error,
+//!   500, 502, 504, or 503 without `Retry-After`) is ejected for `ejection_time × n` (n-th ejection
+//!   in a series, capped at `max_ejection_time`), unless that would eject more than
+//!   `max_ejection_percent` of the backends. 4xx answers never count.
+//! - A backend answering 429, or 503 with `Retry-After`, is paused for that long (capped at
+//!   `max_busy_pause`; 1 s when a 429 has no `Retry-After`). It is busy, not broken: not ejected.
+//! - When an ejection expires the backend is readmitted, after a passing `GET health_check_path`
+//!   probe when one is configured (a failing probe ejects it again, for longer).
+//! - The eligible list is what strategies pick from. If every backend that is not paused is
+//!   ejected, all of them are eligible again (panic mode) rather than failing every request.
+//!
+//! State changes happen under the queue lock; expiries are timers that refresh the list and let
+//! the queue move. The list is a snapshot, so picking costs no allocation.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use tokio::time::Instant;
+
+use super::{Balancer, Queue};
+use crate::backend::Backend;
+use crate::body::UpstreamBody;
+
+/// How an attempt's outcome bears on the backend's availability.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Verdict {
+    /// Success or a client error: ends a run of failures.
+    Healthy,
+    /// Counts towards ejection.
+    Failure,
+    /// Busy: pause for this long, not a failure.
+    Busy(Duration),
+    /// Neither: another 5xx (501, 505, ...) leaves the run of failures as it is.
+    Neutral,
+}
+
+/// Default pause for a 429 without `Retry-After`.
+const DEFAULT_BUSY_PAUSE: Duration = Duration::from_secs(1);
+
+impl Verdict {
+    pub(crate) fn of(
+        status: Option<StatusCode>,
+        failed_in_transit: bool,
+        retry_after: Option<Duration>,
+    ) -> Self {
+        if failed_in_transit {
+            return Verdict::Failure;
+        }
+        match status.map(|s| s.as_u16()) {
+            Some(429) => Verdict::Busy(retry_after.unwrap_or(DEFAULT_BUSY_PAUSE)),
+            Some(503) => retry_after.map_or(Verdict::Failure, Verdict::Busy),
+            Some(500 | 502 | 504) => Verdict::Failure,
+            Some(501..=599) => Verdict::Neutral,
+            _ => Verdict::Healthy,
+        }
+    }
+}
+
+impl Balancer {
+    /// Applies an outcome's verdict to `backend`.
+    pub(super) fn apply_verdict(self: &Arc<Self>, backend: &Arc<Backend>, verdict: Verdict) {
+        match verdict {
+            Verdict::Healthy => backend.reset_failures_in_a_row(),
+            Verdict::Failure => {
+                if backend.record_failure_in_a_row() >= self.tuning.consecutive_failures {
+                    self.eject(backend);
+                }
+            }
+            Verdict::Busy(pause) => self.pause(backend, pause.min(self.tuning.max_busy_pause)),
+            Verdict::Neutral => {}
+        }
+    }
+
+    fn is_current(&self, backend: &Arc<Backend>) -> bool {
+        self.backends.load().iter().any(|b| Arc::ptr_eq(b, backend))
+    }
+
+    fn eject(self: &Arc<Self>, backend: &Arc<Backend>) {
+        let mut queue = self.lock();
+        if !self.is_current(backend) {
+            return;
+        }
+        let all = self.backends.load();
+        let ejected = all.iter().filter(|b| b.availability().is_ejected()).count();
+        let allowed =
+            (all.len() as f64 * self.tuning.max_ejection_percent / 100.0).floor() as usize;
+        let now = Instant::now();
+        let until = {
+            let mut state = backend.lock_availability();
+            if state.is_ejected() || ejected >= allowed {
+                return;
+            }
+            let series_over = state
+                .last_ejected_at
+                .is_none_or(|at| now.duration_since(at) > self.tuning.max_ejection_time * 2);
+            state.ejections = if series_over { 1 } else { state.ejections + 1 };
+            let length =
+                (self.tuning.ejection_time * state.ejections).min(self.tuning.max_ejection_time);
+            state.ejected_until = Some(now + length);
+            state.last_ejected_at = Some(now);
+            now + length
+        };
+        backend.reset_failures_in_a_row();
+        backend.count_ejection();
+        self.metrics.ejections.add(1, &[]);
+        tracing::warn!(backend = %backend.addr(), until_s = (until - now).as_secs_f64(), "backend ejected after consecutive failures");
+        self.refresh_eligible_locked(&mut queue);
+        self.schedule_refresh(until);
+    }
+
+    fn pause(self: &Arc<Self>, backend: &Arc<Backend>, pause: Duration) {
+        let until = Instant::now() + pause;
+        let mut queue = self.lock();
+        {
+            let mut state = backend.lock_availability();
+            if state.paused_until.is_some_and(|current| current >= until) {
+                return;
+            }
+            state.paused_until = Some(until);
+        }
+        tracing::debug!(backend = %backend.addr(), pause_s = pause.as_secs_f64(), "backend busy: paused");
+        self.refresh_eligible_locked(&mut queue);
+        drop(queue);
+        self.schedule_refresh(until);
+    }
+
+    /// Refreshes the list and lets the queue move at `at`.
+    fn schedule_refresh(self: &Arc<Self>, at: Instant) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let balancer = Arc::downgrade(self);
+        runtime.spawn(async move {
+            tokio::time::sleep_until(at).await;
+            if let Some(balancer) = balancer.upgrade() {
+                let mut queue = balancer.lock();
+                balancer.refresh_eligible_locked(&mut queue);
+            }
+        });
+    }
+
+    /// Recomputes the eligible list: readmits expired ejections (or starts their probe), drops
+    /// paused and ejected backends, falls back to panic mode, then dispatches.
+    pub(super) fn refresh_eligible_locked(self: &Arc<Self>, queue: &mut Queue) {
+        let now = Instant::now();
+        let all = self.backends.load();
+        let mut eligible = Vec::with_capacity(all.len());
+        let mut not_paused = Vec::with_capacity(all.len());
+        for backend in all.iter() {
+            let mut state = backend.lock_availability();
+            if let Some(until) = state.ejected_until {
+                if until <= now && !state.probing {
+                    if self.tuning.health_check_path.is_some() {
+                        state.probing = true;
+                        self.spawn_probe(Arc::clone(backend));
+                    } else {
+                        state.ejected_until = None;
+                        state.ramp_from = Some(now);
+                        tracing::info!(backend = %backend.addr(), "backend readmitted");
+                    }
+                }
+            }
+            if state.is_paused(now) {
+                continue;
+            }
+            not_paused.push(Arc::clone(backend));
+            if !state.is_ejected() {
+                eligible.push(Arc::clone(backend));
+            }
+        }
+        let panic = eligible.is_empty() && !not_paused.is_empty();
+        if panic != self.panic_mode.swap(panic, Ordering::Relaxed) {
+            if panic {
+                tracing::warn!(
+                    "every available backend is ejected: routing to all of them (panic mode)"
+                );
+            } else {
+                tracing::info!("panic mode over");
+            }
+        }
+        let eligible = if panic { not_paused } else { eligible };
+        let changed = {
+            let current = self.eligible.load();
+            current.len() != eligible.len()
+                || current
+                    .iter()
+                    .zip(&eligible)
+                    .any(|(a, b)| !Arc::ptr_eq(a, b))
+        };
+        if changed {
+            let eligible = Arc::new(eligible);
+            self.eligible.store(Arc::clone(&eligible));
+            self.strategy.on_backends_changed(&eligible);
+        }
+        self.dispatch_locked(queue);
+    }
+
+    fn spawn_probe(self: &Arc<Self>, backend: Arc<Backend>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let balancer = Arc::downgrade(self);
+        runtime.spawn(async move {
+            let Some(balancer) = balancer.upgrade() else {
+                return;
+            };
+            let passed = balancer.probe(&backend).await;
+            balancer.finish_probe(&backend, passed);
+        });
+    }
+
+    async fn probe(&self, backend: &Backend) -> bool {
+        let Some(path) = &self.tuning.health_check_path else {
+            return true;
+        };
+        let addr = backend.addr();
+        let uri = format!("{}://{}{}", addr.scheme(), addr.authority(), path);
+        let Ok(request) = Request::get(uri).body(UpstreamBody::full(Bytes::new())) else {
+            return false;
+        };
+        let answer = tokio::time::timeout(
+            self.tuning.health_check_timeout,
+            self.client.request(request),
+        )
+        .await;
+        let passed = matches!(&answer, Ok(Ok(response)) if response.status().is_success());
+        tracing::info!(backend = %addr, passed, "readmission probe");
+        passed
+    }
+
+    fn finish_probe(self: &Arc<Self>, backend: &Arc<Backend>, passed: bool) {
+        let mut queue = self.lock();
+        let now = Instant::now();
+        let retry_at = {
+            let mut state = backend.lock_availability();
+            state.probing = false;
+            if passed {
+                state.ejected_until = None;
+                state.ramp_from = Some(now);
+                None
+            } else {
+                state.ejections += 1;
+                let length = (self.tuning.ejection_time * state.ejections)
+                    .min(self.tuning.max_ejection_time);
+                state.ejected_until = Some(now + length);
+                Some(now + length)
+            }
+        };
+        if passed {
+            tracing::info!(backend = %backend.addr(), "backend readmitted after a passing probe");
+        }
+        if self.is_current(backend) {
+            self.refresh_eligible_locked(&mut queue);
+            if let Some(at) = retry_at {
+                drop(queue);
+                self.schedule_refresh(at);
+            }
+        }
+    }
+
+    /// Whether a slow-starting backend takes this pick: its share ramps linearly from 10 % to
+    /// 100 % over `slow_start`.
+    pub(super) fn ramp_admits(&self, backend: &Backend) -> bool {
+        let Some(window) = self.tuning.slow_start else {
+            return true;
+        };
+        let Some(from) = backend.availability().ramp_from else {
+            return true;
+        };
+        let weight = from.elapsed().as_secs_f64() / window.as_secs_f64();
+        weight >= 1.0 || fastrand::f64() < weight.max(0.1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_follow_the_status_and_retry_after() {
+        let ra = Some(Duration::from_secs(2));
+        assert_eq!(
+            Verdict::of(Some(StatusCode::OK), false, None),
+            Verdict::Healthy
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::NOT_FOUND), false, None),
+            Verdict::Healthy
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::INTERNAL_SERVER_ERROR), false, None),
+            Verdict::Failure
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::BAD_GATEWAY), false, None),
+            Verdict::Failure
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::GATEWAY_TIMEOUT), false, None),
+            Verdict::Failure
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::SERVICE_UNAVAILABLE), false, None),
+            Verdict::Failure
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::SERVICE_UNAVAILABLE), false, ra),
+            Verdict::Busy(Duration::from_secs(2))
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::TOO_MANY_REQUESTS), false, ra),
+            Verdict::Busy(Duration::from_secs(2))
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::TOO_MANY_REQUESTS), false, None),
+            Verdict::Busy(DEFAULT_BUSY_PAUSE)
+        );
+        assert_eq!(Verdict::of(None, true, None), Verdict::Failure);
+        assert_eq!(
+            Verdict::of(Some(StatusCode::NOT_IMPLEMENTED), false, None),
+            Verdict::Neutral
+        );
+        assert_eq!(
+            Verdict::of(Some(StatusCode::OK), true, None),
+            Verdict::Failure
+        );
+    }
+}

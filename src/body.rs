@@ -31,26 +31,26 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: Incoming,
         lease: Option<Lease>,
-        status: StatusCode,
-        retry_after: Option<Duration>,
-        bytes: u64,
+        // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
+        outcome: Finish,
     }
 
     impl PinnedDrop for ObservedBody {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
-            if let Some(lease) = this.lease.take() {
-                if this.inner.is_end_stream() {
-                    lease.finish(Finish {
-                        status: Some(*this.status),
-                        error: None,
-                        retry_after: *this.retry_after,
-                        bytes: *this.bytes,
-                    });
-                }
-                // Otherwise the client left mid-response: no sample, the lease drop releases.
+            // Dropped before its end: the client left mid-response, so no sample is recorded and
+            // the lease's own drop releases the backend.
+            if this.inner.is_end_stream() {
+                finish(this.lease, *this.outcome);
             }
         }
+    }
+}
+
+/// Finishes the lease (once) with `outcome`.
+fn finish(lease: &mut Option<Lease>, outcome: Finish) {
+    if let Some(lease) = lease.take() {
+        lease.finish(outcome);
     }
 }
 
@@ -65,9 +65,12 @@ impl ObservedBody {
         Self {
             inner,
             lease: Some(lease),
-            status,
-            retry_after,
-            bytes: 0,
+            outcome: Finish {
+                status: Some(status),
+                error: None,
+                retry_after,
+                bytes: 0,
+            },
         }
     }
 }
@@ -82,47 +85,25 @@ impl Body for ObservedBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let mut this = self.project();
         let frame = ready!(this.inner.as_mut().poll_frame(cx));
-        let status = Some(*this.status);
-        let retry_after = *this.retry_after;
         match &frame {
             Some(Ok(frame)) => {
-                if let Some(lease) = this.lease.as_mut() {
-                    if let Some(data) = frame.data_ref() {
-                        lease.mark_first_byte();
-                        *this.bytes += data.len() as u64;
-                    }
+                if let (Some(lease), Some(data)) = (this.lease.as_mut(), frame.data_ref()) {
+                    lease.mark_first_byte();
+                    this.outcome.bytes += data.len() as u64;
                 }
                 if this.inner.is_end_stream() {
-                    if let Some(lease) = this.lease.take() {
-                        lease.finish(Finish {
-                            status,
-                            error: None,
-                            retry_after,
-                            bytes: *this.bytes,
-                        });
-                    }
+                    finish(this.lease, *this.outcome);
                 }
             }
-            Some(Err(_)) => {
-                if let Some(lease) = this.lease.take() {
-                    lease.finish(Finish {
-                        status,
-                        error: Some(ErrorKind::Io),
-                        retry_after: None,
-                        bytes: *this.bytes,
-                    });
-                }
-            }
-            None => {
-                if let Some(lease) = this.lease.take() {
-                    lease.finish(Finish {
-                        status,
-                        error: None,
-                        retry_after,
-                        bytes: *this.bytes,
-                    });
-                }
-            }
+            Some(Err(_)) => finish(
+                this.lease,
+                Finish {
+                    error: Some(ErrorKind::Io),
+                    retry_after: None,
+                    ..*this.outcome
+                },
+            ),
+            None => finish(this.lease, *this.outcome),
         }
         Poll::Ready(frame)
     }

@@ -121,18 +121,7 @@ fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>,
     positive("ttfb_tolerance", params.ttfb_tolerance, 1.0)?;
     positive("initial_limit", params.initial_limit, 1.0)?;
     positive("max_limit", params.max_limit, params.initial_limit)?;
-    let strategy = QueuedLeastLatency {
-        score: params.score,
-        latency_threshold: context.latency_threshold,
-        ewma_alpha: context.ewma_alpha,
-        ramp_up_factor: params.ramp_up_factor,
-        ttfb_tolerance: params.ttfb_tolerance,
-        initial_limit: params.initial_limit,
-        max_limit: params.max_limit,
-        learned: Mutex::default(),
-        rotation: AtomicUsize::new(0),
-    };
-    Ok(Arc::new(strategy))
+    Ok(Arc::new(QueuedLeastLatency::with(&params, context)))
 }
 
 /// What the load score learns about one backend.
@@ -167,23 +156,11 @@ pub struct QueuedLeastLatency {
 }
 
 impl QueuedLeastLatency {
-    /// The reference rules (`score = "ewma"`) with the given threshold and ramp-up factor.
-    pub fn ewma(latency_threshold: f64, ramp_up_factor: f64) -> Self {
+    fn with(params: &Params, context: &StrategyContext) -> Self {
         Self {
-            score: Score::Ewma,
-            latency_threshold,
-            ramp_up_factor,
-            ..Self::load(latency_threshold)
-        }
-    }
-
-    /// The load score with default parameters.
-    pub fn load(latency_threshold: f64) -> Self {
-        let params = Params::default();
-        Self {
-            score: Score::Load,
-            latency_threshold,
-            ewma_alpha: 0.3,
+            score: params.score,
+            latency_threshold: context.latency_threshold,
+            ewma_alpha: context.ewma_alpha,
             ramp_up_factor: params.ramp_up_factor,
             ttfb_tolerance: params.ttfb_tolerance,
             initial_limit: params.initial_limit,
@@ -191,6 +168,33 @@ impl QueuedLeastLatency {
             learned: Mutex::default(),
             rotation: AtomicUsize::new(0),
         }
+    }
+
+    /// The reference rules (`score = "ewma"`) with the given threshold and ramp-up factor.
+    pub fn ewma(latency_threshold: f64, ramp_up_factor: f64) -> Self {
+        let params = Params {
+            score: Score::Ewma,
+            ramp_up_factor,
+            ..Params::default()
+        };
+        Self::with(
+            &params,
+            &StrategyContext {
+                latency_threshold,
+                ..StrategyContext::default()
+            },
+        )
+    }
+
+    /// The load score with default parameters.
+    pub fn load(latency_threshold: f64) -> Self {
+        Self::with(
+            &Params::default(),
+            &StrategyContext {
+                latency_threshold,
+                ..StrategyContext::default()
+            },
+        )
     }
 
     fn learned(&self) -> MutexGuard<'_, HashMap<u64, Learned>> {

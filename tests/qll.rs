@@ -116,22 +116,6 @@ async fn a_client_that_disconnects_while_queued_is_never_sent_upstream() {
     assert_eq!(router.balancer.backends()[0].in_flight(), 0);
 }
 
-/// A tiny deterministic generator (xorshift) so the stress run is repeatable.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_every_request_is_answered_or_cancelled_exactly_once() {
     const TOTAL: usize = 5000;

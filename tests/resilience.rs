@@ -416,30 +416,14 @@ async fn a_silent_connection_loses_its_slot_at_the_header_timeout() {
     );
 }
 
-/// A deterministic generator for the hostile inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, bound: usize) -> usize {
-        (self.next() % bound as u64) as usize
-    }
-}
-
 /// One hostile or malformed request, as raw bytes.
 fn hostile_request(rng: &mut Rng) -> Vec<u8> {
     let valid_admin = br#"{"backends":["127.0.0.1:1","10.0.0.1:80"]}"#;
-    match rng.below(12) {
+    match rng.index(12) {
         0 => b"GE\x00T / HTTP/1.1\r\nhost: x\r\n\r\n".to_vec(),
         1 => {
             let mut request = b"GET / HTTP/1.1\r\nhost: x\r\nx-big: ".to_vec();
-            request.extend(std::iter::repeat_n(b'a', 100_000 + rng.below(50_000)));
+            request.extend(std::iter::repeat_n(b'a', 100_000 + rng.index(50_000)));
             request.extend(b"\r\n\r\n");
             request
         }
@@ -449,7 +433,7 @@ fn hostile_request(rng: &mut Rng) -> Vec<u8> {
         5 => b"POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n".to_vec(),
         6 => {
             // set-backends with a truncated body: never valid JSON.
-            let cut = rng.below(valid_admin.len() - 1);
+            let cut = rng.index(valid_admin.len() - 1);
             let body = &valid_admin[..cut];
             let mut request = format!(
                 "POST /_custom_router/set-backends HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
@@ -461,7 +445,7 @@ fn hostile_request(rng: &mut Rng) -> Vec<u8> {
         }
         7 => {
             // set-backends with random bytes.
-            let body: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
+            let body: Vec<u8> = (0..rng.index(64)).map(|_| rng.next() as u8).collect();
             let mut request = format!(
                 "POST /_custom_router/set-backends HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
                 body.len()
@@ -481,7 +465,7 @@ fn hostile_request(rng: &mut Rng) -> Vec<u8> {
                 r#"[]"#,
                 r#"null"#,
             ];
-            let body = bodies[rng.below(bodies.len())];
+            let body = bodies[rng.index(bodies.len())];
             format!(
                 "POST /_custom_router/set-backends HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
                 body.len()
@@ -490,7 +474,7 @@ fn hostile_request(rng: &mut Rng) -> Vec<u8> {
         }
         9 => b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x12garbage".to_vec(),
         10 => {
-            let junk: Vec<u8> = (0..rng.below(200) + 1).map(|_| rng.next() as u8).collect();
+            let junk: Vec<u8> = (0..rng.index(200) + 1).map(|_| rng.next() as u8).collect();
             junk
         }
         _ => b"DELETE /_custom_router/health HTTP/1.1\r\nhost: x\r\n\r\n".to_vec(),

@@ -279,7 +279,6 @@ impl Balancer {
                 if let Some(backend) = self.pick(&info, &self.eligible.load()) {
                     let lease = Lease::new(self, backend);
                     drop(queue);
-                    self.metrics.queue_wait.record(0.0, &[]);
                     return Ok(lease);
                 }
             }

@@ -186,6 +186,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "PEM file of extra CA certificates trusted for https:// backends",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_WORKER_THREADS",
+        key: "worker_threads",
+        help: "threads serving requests; 1 runs everything on one thread (cheapest per request)",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_LOG_FORMAT",
         key: "log_format",
         help: "log line format: text or json",
@@ -292,6 +297,8 @@ pub struct Config {
     /// PEM file with extra CA certificates for `https://` backends (the system store is always
     /// trusted).
     pub tls_ca_file: Option<PathBuf>,
+    /// Threads serving requests: 1 runs a single-threaded runtime.
+    pub worker_threads: usize,
     /// Log line format.
     pub log_format: LogFormat,
 }
@@ -329,6 +336,7 @@ impl Default for Config {
             admin_token: None,
             backend_allow_cidrs: Vec::new(),
             tls_ca_file: None,
+            worker_threads: 1,
             log_format: LogFormat::Text,
         }
     }
@@ -629,6 +637,7 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ("max_attempts", config.max_attempts as usize),
         ("consecutive_failures", config.consecutive_failures as usize),
         ("max_connections", config.max_connections),
+        ("worker_threads", config.worker_threads),
     ];
     for (key, value) in positive_counts {
         if value == 0 {

@@ -64,10 +64,15 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(settings.config.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = match settings.config.worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        threads => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads);
+            builder
+        }
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("custom-router: cannot start the async runtime: {error}");

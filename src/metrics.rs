@@ -53,7 +53,8 @@ pub mod names {
     pub const REQUEST_DURATION: &str = "custom_router_request_duration_seconds";
     /// Histogram: seconds from dispatch to the first byte of the response body.
     pub const TIME_TO_FIRST_BYTE: &str = "custom_router_time_to_first_byte_seconds";
-    /// Histogram: seconds requests spent waiting in the router queue.
+    /// Histogram: seconds queued requests spent waiting in the router queue (requests that went
+    /// straight out are not recorded).
     pub const QUEUE_WAIT: &str = "custom_router_queue_wait_seconds";
 }
 
@@ -215,7 +216,7 @@ impl Metrics {
             ),
             queue_wait: histogram(
                 names::QUEUE_WAIT,
-                "Seconds requests waited in the router queue",
+                "Seconds queued requests waited in the router queue (requests dispatched at once are not recorded)",
             ),
             registry,
             provider,

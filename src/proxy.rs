@@ -10,7 +10,7 @@
 
 use std::error::Error as _;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
@@ -33,8 +33,63 @@ use crate::metrics::RetryReason;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
 
-/// The pooled HTTP/1.1 client used for every backend (`https://` backends over rustls).
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
+/// The pooled HTTP/1.1 clients used for every backend: plain TCP for `http://` backends, and
+/// rustls for `https://` ones, built on first use (loading the system's CA certificates costs
+/// startup time and memory that plain-HTTP deployments need not pay).
+pub struct UpstreamClient {
+    http: Client<HttpConnector, UpstreamBody>,
+    https: OnceLock<Client<HttpsConnector<HttpConnector>, UpstreamBody>>,
+    connect_timeout: Duration,
+    extra_ca_certs: Vec<CertificateDer<'static>>,
+}
+
+impl std::fmt::Debug for UpstreamClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamClient")
+            .field("tls_ready", &self.https.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamClient {
+    /// Sends `request` (absolute URI) over the client for its scheme.
+    pub fn request(
+        &self,
+        request: Request<UpstreamBody>,
+    ) -> hyper_util::client::legacy::ResponseFuture {
+        if request.uri().scheme() == Some(&http::uri::Scheme::HTTPS) {
+            let https = self.https.get_or_init(|| {
+                let connector = HttpsConnectorBuilder::new()
+                    .with_tls_config(tls_config(&self.extra_ca_certs))
+                    .https_or_http()
+                    .enable_http1()
+                    .wrap_connector(http_connector(self.connect_timeout));
+                pooled(connector)
+            });
+            https.request(request)
+        } else {
+            self.http.request(request)
+        }
+    }
+}
+
+fn http_connector(connect_timeout: Duration) -> HttpConnector {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.enforce_http(false);
+    connector
+}
+
+fn pooled<C>(connector: C) -> Client<C, UpstreamBody>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone,
+{
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build(connector)
+}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -53,25 +108,18 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::PROXY_AUTHORIZATION,
 ];
 
-/// Builds the upstream client: keep-alive pool reaped in the background, `TCP_NODELAY`, connect
-/// timeout; TLS for `https://` backends trusting the system store plus `extra_ca_certs`.
+/// Builds the upstream clients: keep-alive pools reaped in the background, `TCP_NODELAY`,
+/// connect timeout; TLS for `https://` backends trusting the system store plus `extra_ca_certs`.
 pub fn client(
     connect_timeout: Duration,
     extra_ca_certs: &[CertificateDer<'static>],
 ) -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.enforce_http(false);
-    let connector = HttpsConnectorBuilder::new()
-        .with_tls_config(tls_config(extra_ca_certs))
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(connector);
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .build(connector)
+    UpstreamClient {
+        http: pooled(http_connector(connect_timeout)),
+        https: OnceLock::new(),
+        connect_timeout,
+        extra_ca_certs: extra_ca_certs.to_vec(),
+    }
 }
 
 fn tls_config(extra_ca_certs: &[CertificateDer<'static>]) -> rustls::ClientConfig {
@@ -93,6 +141,10 @@ fn tls_config(extra_ca_certs: &[CertificateDer<'static>]) -> rustls::ClientConfi
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names avoids eight hashed removals.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     if headers.contains_key(header::CONNECTION) {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
@@ -110,9 +162,25 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_canonical();
+/// The client's address as an `X-Forwarded-For` element, made once per connection.
+#[derive(Debug, Clone)]
+pub struct ForwardedFor(HeaderValue);
+
+impl ForwardedFor {
+    /// The element for a client connected from `peer`.
+    pub fn new(peer: SocketAddr) -> Self {
+        let text = peer.ip().to_canonical().to_string();
+        Self(HeaderValue::from_str(&text).expect("an IP address is a valid header value"))
+    }
+}
+
+fn append_forwarded_for(headers: &mut HeaderMap, client: &ForwardedFor) {
+    let ip = client.0.to_str().unwrap_or_default();
     let value = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::to_str) {
+        None => {
+            headers.insert(X_FORWARDED_FOR, client.0.clone());
+            return;
+        }
         Some(Ok(existing)) if headers.get_all(&X_FORWARDED_FOR).iter().count() == 1 => {
             format!("{existing}, {ip}")
         }
@@ -123,10 +191,10 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
                 .filter_map(|v| v.to_str().ok())
                 .collect::<Vec<_>>()
                 .join(", ");
-            joined.push_str(&format!(", {ip}"));
+            joined.push_str(", ");
+            joined.push_str(ip);
             joined
         }
-        None => ip.to_string(),
     };
     if let Ok(value) = HeaderValue::from_str(&value) {
         headers.insert(X_FORWARDED_FOR, value);
@@ -156,8 +224,8 @@ pub struct RequestHead {
 }
 
 impl RequestHead {
-    /// Prepares the head of a client request received from `peer`.
-    pub fn prepare(mut parts: http::request::Parts, peer: SocketAddr) -> Self {
+    /// Prepares the head of a client request received from `client`.
+    pub fn prepare(mut parts: http::request::Parts, client: &ForwardedFor) -> Self {
         remove_hop_by_hop(&mut parts.headers);
         if !parts.headers.contains_key(header::HOST) {
             if let Some(authority) = parts.uri.authority() {
@@ -166,7 +234,7 @@ impl RequestHead {
                 }
             }
         }
-        append_forwarded_for(&mut parts.headers, peer);
+        append_forwarded_for(&mut parts.headers, client);
         parts
             .headers
             .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
@@ -323,7 +391,7 @@ pub async fn proxy(
     balancer: &Arc<Balancer>,
     policy: &RetryPolicy,
     request: Request<Incoming>,
-    peer: SocketAddr,
+    client: &ForwardedFor,
 ) -> Response<ResponseBody> {
     let (parts, body) = request.into_parts();
     let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
@@ -346,7 +414,7 @@ pub async fn proxy(
     };
     let mut body = body;
     let announced_length = parts.headers.contains_key(header::CONTENT_LENGTH);
-    let mut head = RequestHead::prepare(parts, peer);
+    let mut head = RequestHead::prepare(parts, client);
     if !body.is_replayable() && !announced_length {
         // A streamed body of unknown length goes out chunked, whatever the method.
         head.headers.insert(
@@ -471,14 +539,14 @@ mod tests {
 
     #[test]
     fn appends_to_forwarded_for() {
-        let peer: SocketAddr = "192.0.2.7:5000".parse().unwrap();
+        let peer = ForwardedFor::new("192.0.2.7:5000".parse().unwrap());
         let mut headers = HeaderMap::new();
-        append_forwarded_for(&mut headers, peer);
+        append_forwarded_for(&mut headers, &peer);
         assert_eq!(headers[&X_FORWARDED_FOR], "192.0.2.7");
-        append_forwarded_for(&mut headers, peer);
+        append_forwarded_for(&mut headers, &peer);
         assert_eq!(headers[&X_FORWARDED_FOR], "192.0.2.7, 192.0.2.7");
         headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.1"));
-        append_forwarded_for(&mut headers, peer);
+        append_forwarded_for(&mut headers, &peer);
         assert_eq!(
             headers[&X_FORWARDED_FOR],
             "192.0.2.7, 192.0.2.7, 198.51.100.1, 192.0.2.7"

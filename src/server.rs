@@ -21,7 +21,7 @@ use crate::balancer::Balancer;
 use crate::body::ResponseBody;
 use crate::config::Settings;
 use crate::metrics::MetricsError;
-use crate::proxy::{self, RetryPolicy};
+use crate::proxy::{self, ForwardedFor, RetryPolicy};
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -212,9 +212,11 @@ impl Acceptor {
     fn serve_connection(&self, stream: TcpStream, peer: SocketAddr, slot: OwnedSemaphorePermit) {
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&self.shared);
+        let client = Arc::new(ForwardedFor::new(peer));
         let service = service_fn(move |request| {
             let shared = Arc::clone(&shared);
-            async move { Ok::<_, Infallible>(route(&shared, request, peer).await) }
+            let client = Arc::clone(&client);
+            async move { Ok::<_, Infallible>(route(&shared, request, &client).await) }
         });
         let builder = self.builder.clone();
         let watcher = self.graceful.watcher();
@@ -239,12 +241,12 @@ impl Acceptor {
 async fn route(
     shared: &Shared,
     request: Request<Incoming>,
-    peer: SocketAddr,
+    client: &ForwardedFor,
 ) -> Response<ResponseBody> {
     if admin::is_admin_path(request.uri().path()) {
         return admin::handle(&shared.balancer, &shared.admin, request).await;
     }
-    proxy::proxy(&shared.balancer, &shared.retry, request, peer).await
+    proxy::proxy(&shared.balancer, &shared.retry, request, client).await
 }
 
 async fn log_state_periodically(balancer: Arc<Balancer>, every: Duration) {

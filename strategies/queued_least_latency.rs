@@ -21,9 +21,9 @@
 //!   `latency_threshold` per KiB, which keeps a failing replica last.
 //! - *Concurrency limit*: learned from time to first byte (for a streamed answer, the time to the
 //!   first token: queueing plus prefill). Each replica keeps a TTFB baseline (its lowest recent
-//!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline raises the limit by
-//!   about √limit; a slower one lowers it in proportion (a gradient, as in Netflix's
-//!   concurrency-limits). It starts at `initial_limit`. A measured backend is a candidate while
+//!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline + `ttfb_slack` raises
+//!   the limit by about √limit; a slower one lowers it in proportion (a gradient, as in
+//!   Netflix's concurrency-limits). It starts at `initial_limit`. A measured backend is a candidate while
 //!   its in-flight count is below its limit and below `ramp_up_factor × completed`.
 //! - *Score*: cost × (in-flight + 1), the expected latency of one more request (peak-EWMA style).
 //!
@@ -46,10 +46,12 @@
 //! score = "load"               # or "ewma" for the reference rules
 //! ramp_up_factor = 5
 //! ttfb_tolerance = 2.0
+//! ttfb_slack = 0.02
 //! initial_limit = 4
 //! ```
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -86,6 +88,9 @@ struct Params {
     ramp_up_factor: f64,
     /// TTFB up to this multiple of the baseline does not lower the limit (`load`).
     ttfb_tolerance: f64,
+    /// Seconds of TTFB above the tolerated multiple that still do not lower the limit (`load`):
+    /// micro-second noise on a fast backend is not congestion.
+    ttfb_slack: f64,
     /// Concurrency limit of a backend before it has answered (`load`).
     initial_limit: f64,
     /// Highest concurrency limit (`load`).
@@ -98,6 +103,7 @@ impl Default for Params {
             score: Score::Load,
             ramp_up_factor: 5.0,
             ttfb_tolerance: 2.0,
+            ttfb_slack: 0.02,
             initial_limit: 4.0,
             max_limit: 1000.0,
         }
@@ -119,6 +125,15 @@ fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>,
     let params: Params = parse_params(params)?;
     positive("ramp_up_factor", params.ramp_up_factor, 0.0)?;
     positive("ttfb_tolerance", params.ttfb_tolerance, 1.0)?;
+    if !(params.ttfb_slack.is_finite() && params.ttfb_slack >= 0.0) {
+        return Err(ParamsError::new(
+            "ttfb_slack",
+            format!(
+                "expected zero or a positive number of seconds, found {}",
+                params.ttfb_slack
+            ),
+        ));
+    }
     positive("initial_limit", params.initial_limit, 1.0)?;
     positive("max_limit", params.max_limit, params.initial_limit)?;
     Ok(Arc::new(QueuedLeastLatency::with(&params, context)))
@@ -135,6 +150,30 @@ struct Learned {
     limit: f64,
 }
 
+/// What was learned, by backend id.
+type LearnedMap = HashMap<u64, Learned, BuildHasherDefault<IdHasher>>;
+
+/// Backend ids are unique sequence numbers: one multiplication (Fibonacci hashing) spreads them
+/// over the hash's high bits, which the map uses, at a fraction of SipHash's cost.
+#[derive(Debug, Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*byte);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 /// How fast a raised TTFB baseline catches up (per sample), so a replica that became slower for
 /// good is not judged against its old best forever.
 const BASELINE_DRIFT: f64 = 0.02;
@@ -149,9 +188,10 @@ pub struct QueuedLeastLatency {
     ewma_alpha: f64,
     ramp_up_factor: f64,
     ttfb_tolerance: f64,
+    ttfb_slack: f64,
     initial_limit: f64,
     max_limit: f64,
-    learned: Mutex<HashMap<u64, Learned>>,
+    learned: Mutex<HashMap<u64, Learned, BuildHasherDefault<IdHasher>>>,
     rotation: AtomicUsize,
 }
 
@@ -163,6 +203,7 @@ impl QueuedLeastLatency {
             ewma_alpha: context.ewma_alpha,
             ramp_up_factor: params.ramp_up_factor,
             ttfb_tolerance: params.ttfb_tolerance,
+            ttfb_slack: params.ttfb_slack,
             initial_limit: params.initial_limit,
             max_limit: params.max_limit,
             learned: Mutex::default(),
@@ -197,7 +238,7 @@ impl QueuedLeastLatency {
         )
     }
 
-    fn learned(&self) -> MutexGuard<'_, HashMap<u64, Learned>> {
+    fn learned(&self) -> MutexGuard<'_, LearnedMap> {
         self.learned
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -221,7 +262,7 @@ impl QueuedLeastLatency {
     }
 
     /// The load score of `backend` if it is a candidate.
-    fn load_score(&self, backend: &Backend, learned: &HashMap<u64, Learned>) -> Option<f64> {
+    fn load_score(&self, backend: &Backend, learned: &LearnedMap) -> Option<f64> {
         let in_flight = backend.in_flight();
         let Some(ewma) = backend.ewma_latency() else {
             return (in_flight == 0).then_some(0.0);
@@ -263,7 +304,8 @@ impl QueuedLeastLatency {
             _ => ttfb,
         };
         state.ttfb_baseline = Some(baseline);
-        let gradient = (self.ttfb_tolerance * baseline / ttfb.max(1e-6)).clamp(0.5, 1.0);
+        let tolerated = self.ttfb_tolerance * baseline + self.ttfb_slack;
+        let gradient = (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0);
         let target = if gradient >= 1.0 {
             state.limit + state.limit.sqrt()
         } else {

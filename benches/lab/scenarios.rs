@@ -141,7 +141,7 @@ fn hetero() -> Scenario {
             burst: 0,
             lengths: TYPICAL_LENGTHS,
             stream_fraction: 1.0,
-            duration: 20.0,
+            duration: 12.0,
             reports_overload: false,
         }),
     }
@@ -163,7 +163,7 @@ fn homog() -> Scenario {
                 max: 600,
             },
             stream_fraction: 0.5,
-            duration: 20.0,
+            duration: 15.0,
             reports_overload: false,
         }),
     }
@@ -173,7 +173,7 @@ fn burst_scaleup() -> Scenario {
     let slots = SimConfig::default().slots;
     Scenario {
         name: "burst-scaleup",
-        models: "A burst hits a single replica while the endpoint scales up: a burst of 10× its slots at time 0 plus Poisson traffic at 30% of the final capacity; 3 more replicas are added with set-backends after 3 s (nginx: configuration rewritten and reloaded).",
+        models: "A burst hits a single replica while the endpoint scales up: a burst of 10× its slots at time 0 plus Poisson traffic at 30% of the final capacity; 3 more replicas are added with set-backends a few seconds in (nginx: configuration rewritten and reloaded).",
         kind: Kind::Routing(Routing {
             replicas: replicas(&[1.0; 4]),
             initial_backends: 1,
@@ -182,7 +182,7 @@ fn burst_scaleup() -> Scenario {
             burst: 10 * slots,
             lengths: TYPICAL_LENGTHS,
             stream_fraction: 1.0,
-            duration: 10.0,
+            duration: 9.0,
             reports_overload: false,
         }),
     }
@@ -200,7 +200,7 @@ fn dead() -> Scenario {
             burst: 0,
             lengths: TYPICAL_LENGTHS,
             stream_fraction: 1.0,
-            duration: 12.0,
+            duration: 8.0,
             reports_overload: false,
         }),
     }
@@ -218,7 +218,7 @@ fn failing() -> Scenario {
             burst: 0,
             lengths: TYPICAL_LENGTHS,
             stream_fraction: 1.0,
-            duration: 12.0,
+            duration: 8.0,
             reports_overload: false,
         }),
     }
@@ -235,7 +235,7 @@ fn overload() -> Scenario {
         .collect();
     Scenario {
         name: "overload",
-        models: "More traffic than the replicas can serve: 150% of the capacity of 4 equal replicas for 20 s. Each replica answers 429 with Retry-After once 32 requests wait for a slot (as TGI does past its concurrency limit). What matters: goodput, how much of the excess is refused fast, and the latency of the requests that are served.",
+        models: "More traffic than the replicas can serve: 150% of the capacity of 4 equal replicas. Each replica answers 429 with Retry-After once 32 requests wait for a slot (as TGI does past its concurrency limit). What matters: goodput, how much of the excess is refused fast, and the latency of the requests that are served.",
         kind: Kind::Routing(Routing {
             replicas,
             initial_backends: 4,
@@ -256,8 +256,8 @@ fn overhead() -> Scenario {
         models: "The proxy's own cost: tiny non-streamed answers from a backend that answers at once, closed loop at concurrency 1 and 32, direct and through each peer; the peer's CPU per request and memory are read from /proc.",
         kind: Kind::Overhead(Overhead {
             concurrencies: vec![1, 32],
-            duration: 5.0,
-            warmup: 1.0,
+            duration: 4.0,
+            warmup: 0.5,
         }),
     }
 }
@@ -336,7 +336,14 @@ impl Routing {
             } else {
                 String::new()
             },
-        )
+        ) + &self.scale_up_after.map_or_else(String::new, |after| {
+            format!(
+                ", {} replica(s) at start and all {} from {:.2} s",
+                self.initial_backends,
+                self.replicas.len(),
+                after * mode.time_scale()
+            )
+        })
     }
 }
 

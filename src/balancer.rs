@@ -406,6 +406,7 @@ impl Balancer {
         finish: &Finish,
         latency: Duration,
         first_byte: Option<Duration>,
+        streamed: bool,
     ) -> bool {
         let failed = finish.error.is_some()
             || finish
@@ -433,6 +434,7 @@ impl Balancer {
                 failed,
                 first_byte: first_byte.map(|d| d.as_secs_f64()),
                 bytes: finish.bytes,
+                streamed,
             },
         );
         self.metrics.request_duration.record(measured, &[]);
@@ -526,6 +528,7 @@ pub struct Lease {
     backend: Arc<Backend>,
     dispatched_at: Instant,
     first_byte: Option<Duration>,
+    streamed: bool,
     released: bool,
 }
 
@@ -545,6 +548,7 @@ impl Lease {
             backend,
             dispatched_at: Instant::now(),
             first_byte: None,
+            streamed: false,
             released: false,
         }
     }
@@ -557,6 +561,11 @@ impl Lease {
     /// When the lease was handed out.
     pub fn dispatched_at(&self) -> Instant {
         self.dispatched_at
+    }
+
+    /// Marks the answer as a stream (see [`Outcome::streamed`]).
+    pub fn mark_streamed(&mut self) {
+        self.streamed = true;
     }
 
     /// Notes the first response body byte (once).
@@ -580,9 +589,13 @@ impl Lease {
         if finish.error.is_none() {
             self.mark_first_byte();
         }
-        let failed = self
-            .balancer
-            .record_outcome(&self.backend, &finish, latency, self.first_byte);
+        let failed = self.balancer.record_outcome(
+            &self.backend,
+            &finish,
+            latency,
+            self.first_byte,
+            self.streamed,
+        );
         if failed {
             let threshold = Duration::from_secs_f64(self.balancer.tuning.latency_threshold);
             let penalty = threshold.saturating_sub(latency);

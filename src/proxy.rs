@@ -305,6 +305,12 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     }))
 }
 
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"))
+}
+
 fn is_busy(status: StatusCode, retry_after: Option<Duration>) -> bool {
     status == StatusCode::TOO_MANY_REQUESTS
         || (status == StatusCode::SERVICE_UNAVAILABLE && retry_after.is_some())
@@ -343,6 +349,10 @@ async fn attempt(
             remove_hop_by_hop(&mut parts.headers);
             // The client gets the router's own protocol version, whatever the backend spoke.
             parts.version = Version::default();
+            let mut lease = lease;
+            if is_event_stream(&parts.headers) {
+                lease.mark_streamed();
+            }
             let body = ObservedBody::new(body, lease, status, retry_after);
             Attempt::Answer(Response::from_parts(parts, Either::Left(body)))
         }

@@ -99,6 +99,9 @@ pub struct Outcome {
     pub first_byte: Option<f64>,
     /// Response body bytes relayed.
     pub bytes: u64,
+    /// Whether the answer was a stream (`text/event-stream`): its first byte then marks the end
+    /// of queueing and prefill, not the whole answer.
+    pub streamed: bool,
 }
 
 /// A routing strategy. See the module docs for the contract.

@@ -315,6 +315,7 @@ mod tests {
             failed,
             first_byte: None,
             bytes: 0,
+            streamed: false,
         }
     }
 

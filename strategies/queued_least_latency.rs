@@ -296,7 +296,15 @@ impl QueuedLeastLatency {
             limit: self.initial_limit,
         });
         state.cost = self.ewma_alpha * cost_sample + (1.0 - self.ewma_alpha) * state.cost;
-        let (Some(ttfb), false) = (outcome.first_byte, outcome.failed) else {
+        if outcome.failed {
+            return;
+        }
+        // Only a stream's first byte measures queueing; a whole answer's length says nothing
+        // about congestion, so it counts as no sign of it.
+        let Some(ttfb) = outcome.first_byte.filter(|_| outcome.streamed) else {
+            state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
+                + LIMIT_SMOOTHING * (state.limit + state.limit.sqrt()))
+            .min(self.max_limit);
             return;
         };
         let baseline = match state.ttfb_baseline {
@@ -320,10 +328,12 @@ impl QueuedLeastLatency {
         candidates: &[Arc<Backend>],
         score: F,
     ) -> Option<usize> {
-        // First pass: the best (score, in-flight) and how many backends share it.
+        // First pass: the best (score, in-flight), where it first occurs, and how many backends
+        // share it.
         let mut best: Option<(f64, usize)> = None;
+        let mut first = 0usize;
         let mut ties = 0usize;
-        for backend in candidates {
+        for (index, backend) in candidates.iter().enumerate() {
             let Some(score) = score(backend) else {
                 continue;
             };
@@ -333,11 +343,15 @@ impl QueuedLeastLatency {
                 Some(current) if key == current => ties += 1,
                 _ => {
                     best = Some(key);
+                    first = index;
                     ties = 1;
                 }
             }
         }
         let best = best?;
+        if ties == 1 {
+            return Some(first);
+        }
         // Second pass: rotate among the tied backends.
         let mut skip = self.rotation.fetch_add(1, Ordering::Relaxed) % ties;
         candidates.iter().position(|backend| {

@@ -46,6 +46,7 @@ async fn admit_later(balancer: &Arc<Balancer>) -> JoinHandle<Lease> {
 
 /// Finishes `lease` as a streamed answer: first byte after `ttfb`, the end `rest` later.
 async fn stream_answer(mut lease: Lease, ttfb: Duration, rest: Duration, bytes: u64) {
+    lease.mark_streamed();
     advance(ttfb).await;
     lease.mark_first_byte();
     advance(rest).await;

@@ -1,0 +1,180 @@
+//! Hot-path costs, measured with criterion: one pick plus one dispatch with 256 backends and
+//! 10 000 requests waiting in the queue, and the memory one queued request holds.
+//!
+//! `cargo bench --bench hotpath`. Each iteration releases one in-flight request; the release
+//! dispatches the head of the queue (the strategy picks among the 256 backends), the dispatched
+//! request takes its lease, and a new request joins the tail so the queue stays at 10 000.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use custom_router::balancer::{Balancer, Finish, Lease, Rejection};
+use custom_router::config::{Config, Settings};
+use custom_router::strategies::RequestInfo;
+use http::StatusCode;
+
+/// Counts live heap bytes, to measure what a queued request holds.
+struct Counting;
+
+static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+const BACKENDS: usize = 256;
+const QUEUED: usize = 10_000;
+
+type Admission = Pin<Box<dyn Future<Output = Result<Lease, Rejection>>>>;
+
+fn admission(balancer: &Arc<Balancer>) -> Admission {
+    let balancer = Arc::clone(balancer);
+    Box::pin(async move { balancer.admit(RequestInfo::default()).await })
+}
+
+fn poll(admission: &mut Admission) -> Poll<Result<Lease, Rejection>> {
+    admission
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// A balancer whose 256 backends are measured and full, with 10 000 requests queued.
+struct Loaded {
+    balancer: Arc<Balancer>,
+    held: Vec<Lease>,
+    waiting: VecDeque<Admission>,
+}
+
+fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
+    let mut config = Config::default();
+    config.strategy.name = strategy.to_owned();
+    for (key, value) in params {
+        config
+            .strategy
+            .params
+            .insert((*key).into(), figment::value::Value::from(*value));
+    }
+    config.queue_max_size = QUEUED + 2000;
+    let balancer = Balancer::new(&Settings::from_config(config).unwrap()).unwrap();
+    let addrs = (0..BACKENDS)
+        .map(|i| {
+            format!("10.0.{}.{}:8000", i / 256, i % 256)
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    balancer.set_backends(addrs);
+    // Probe every backend once so each has a measurement.
+    let probes: Vec<Lease> = (0..BACKENDS)
+        .map(|_| match poll(&mut admission(&balancer)) {
+            Poll::Ready(Ok(lease)) => lease,
+            _ => panic!("a fresh backend takes a probe"),
+        })
+        .collect();
+    for lease in probes {
+        lease.finish(Finish {
+            status: Some(StatusCode::OK),
+            error: None,
+            retry_after: None,
+            bytes: 4096,
+        });
+    }
+    let mut held = Vec::new();
+    let mut waiting = VecDeque::new();
+    while waiting.len() < QUEUED {
+        let mut next = admission(&balancer);
+        match poll(&mut next) {
+            Poll::Ready(Ok(lease)) => held.push(lease),
+            Poll::Ready(Err(rejection)) => panic!("{rejection:?}"),
+            Poll::Pending => waiting.push_back(next),
+        }
+    }
+    assert_eq!(balancer.queue_depth(), QUEUED);
+    Loaded {
+        balancer,
+        held,
+        waiting,
+    }
+}
+
+impl Loaded {
+    /// Releases one request, takes the dispatched head's lease, queues a new request.
+    fn step(&mut self) {
+        drop(self.held.pop().expect("requests in flight"));
+        let mut head = self.waiting.pop_front().expect("requests waiting");
+        match poll(&mut head) {
+            Poll::Ready(Ok(lease)) => self.held.push(lease),
+            other => panic!("the head was not dispatched: {:?}", other.map(|r| r.err())),
+        }
+        let mut next = admission(&self.balancer);
+        assert!(poll(&mut next).is_pending());
+        self.waiting.push_back(next);
+    }
+}
+
+/// A label, a strategy name and its params.
+type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+
+fn pick_and_dispatch(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _context = runtime.enter();
+    let cases: [Case; 2] = [
+        ("queued-least-latency (load)", "queued-least-latency", &[]),
+        (
+            "queued-least-latency (ewma)",
+            "queued-least-latency",
+            &[("score", "ewma")],
+        ),
+    ];
+    for (label, strategy, params) in cases {
+        let before = LIVE_BYTES.load(Ordering::Relaxed);
+        let mut state = loaded(strategy, params);
+        let held_bytes = LIVE_BYTES.load(Ordering::Relaxed) - before;
+        // What 10 000 queued requests hold (their futures, queue entries and reply channels),
+        // over what the in-flight leases and the balancer hold.
+        let queue_bytes = {
+            let before_queue = LIVE_BYTES.load(Ordering::Relaxed);
+            let extra: Vec<Admission> = (0..1000)
+                .map(|_| {
+                    let mut next = admission(&state.balancer);
+                    assert!(poll(&mut next).is_pending());
+                    next
+                })
+                .collect();
+            let per_request = (LIVE_BYTES.load(Ordering::Relaxed) - before_queue) / extra.len();
+            drop(extra);
+            per_request
+        };
+        println!(
+            "{label}: {BACKENDS} backends, {QUEUED} queued: {} bytes in all, {queue_bytes} bytes per queued request",
+            held_bytes
+        );
+        c.bench_function(
+            &format!("{label}: pick + dispatch, {BACKENDS} backends, {QUEUED} queued"),
+            |b| b.iter(|| state.step()),
+        );
+    }
+}
+
+criterion_group!(benches, pick_and_dispatch);
+criterion_main!(benches);

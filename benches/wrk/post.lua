@@ -1,0 +1,3 @@
+wrk.method = "POST"
+wrk.body   = '{"inputs":"hello","parameters":{"max_new_tokens":16}}'
+wrk.headers["Content-Type"] = "application/json"

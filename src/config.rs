@@ -181,6 +181,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "comma-separated networks backends must be in (unset: any address)",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_DECISION_HEADERS",
+        key: "decision_headers",
+        help: "add x-custom-router-backend and x-custom-router-queue-ms to responses",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_TLS_CA_FILE",
         key: "tls_ca_file",
         help: "PEM file of extra CA certificates trusted for https:// backends",
@@ -294,6 +299,8 @@ pub struct Config {
     /// Networks every backend address must be in; empty allows any address.
     #[serde(deserialize_with = "list_or_comma_separated")]
     pub backend_allow_cidrs: Vec<String>,
+    /// Whether responses say which backend answered and how long the request was queued.
+    pub decision_headers: bool,
     /// PEM file with extra CA certificates for `https://` backends (the system store is always
     /// trusted).
     pub tls_ca_file: Option<PathBuf>,
@@ -335,6 +342,7 @@ impl Default for Config {
             pre_drain_delay: 0.0,
             admin_token: None,
             backend_allow_cidrs: Vec::new(),
+            decision_headers: false,
             tls_ca_file: None,
             worker_threads: 1,
             log_format: LogFormat::Text,

@@ -201,9 +201,9 @@ fn append_forwarded_for(headers: &mut HeaderMap, client: &ForwardedFor) {
     }
 }
 
-/// What retries may do, from the settings.
+/// How requests are proxied: what retries may do, and what the response says of the decision.
 #[derive(Debug, Clone)]
-pub struct RetryPolicy {
+pub struct ProxyPolicy {
     /// Attempts per request, the first included.
     pub max_attempts: u32,
     /// Bytes of body kept in memory so the request can be sent again.
@@ -212,6 +212,8 @@ pub struct RetryPolicy {
     pub buffer_budget: Arc<Semaphore>,
     /// How long a backend may take to send response headers.
     pub first_byte_timeout: Option<Duration>,
+    /// Whether responses carry `x-custom-router-backend` and `x-custom-router-queue-ms`.
+    pub decision_headers: bool,
 }
 
 /// A request prepared once for all its attempts: hop-by-hop headers removed, `Host` kept,
@@ -369,6 +371,26 @@ async fn attempt(
     }
 }
 
+const X_CUSTOM_ROUTER_BACKEND: HeaderName = HeaderName::from_static("x-custom-router-backend");
+const X_CUSTOM_ROUTER_QUEUE_MS: HeaderName = HeaderName::from_static("x-custom-router-queue-ms");
+
+/// Says which backend answered and how long the request waited before it was dispatched (the
+/// whole time since it was read, retries included).
+fn add_decision_headers(
+    response: &mut Response<ResponseBody>,
+    backend: &BackendAddr,
+    queued: Duration,
+) {
+    let headers = response.headers_mut();
+    if let Ok(value) = HeaderValue::from_str(backend.as_str()) {
+        headers.insert(X_CUSTOM_ROUTER_BACKEND, value);
+    }
+    headers.insert(
+        X_CUSTOM_ROUTER_QUEUE_MS,
+        HeaderValue::from(queued.as_millis() as u64),
+    );
+}
+
 /// The client's answer when the last attempt failed.
 fn failure_response(kind: ErrorKind, backend: &BackendAddr) -> Response<ResponseBody> {
     let status = if kind == ErrorKind::FirstByteTimeout {
@@ -399,7 +421,7 @@ fn is_idempotent(method: &Method) -> bool {
 /// more than `max_attempts` in all, and failure retries draw on the shared retry budget.
 pub async fn proxy(
     balancer: &Arc<Balancer>,
-    policy: &RetryPolicy,
+    policy: &ProxyPolicy,
     request: Request<Incoming>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
@@ -435,6 +457,7 @@ pub async fn proxy(
     let retriable = body.is_replayable() && policy.max_attempts > 1;
     let idempotent = is_idempotent(&head.method);
     balancer.retry_budget().deposit();
+    let arrived = tokio::time::Instant::now();
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last_failure: Option<(ErrorKind, Arc<Backend>)> = None;
     let mut retry_reason: Option<RetryReason> = None;
@@ -463,6 +486,7 @@ pub async fn proxy(
         }
         balancer.metrics().dispatched.add(1, &[]);
         let backend = Arc::clone(lease.backend());
+        let queued = lease.dispatched_at().saturating_duration_since(arrived);
         let last = !retriable || number == policy.max_attempts;
         let Some(upstream_body) = body.for_attempt() else {
             return response::error(StatusCode::BAD_GATEWAY, "request body already sent");
@@ -478,7 +502,12 @@ pub async fn proxy(
         )
         .await
         {
-            Attempt::Answer(response) => return response,
+            Attempt::Answer(mut response) => {
+                if policy.decision_headers {
+                    add_decision_headers(&mut response, backend.addr(), queued);
+                }
+                return response;
+            }
             Attempt::Busy => {
                 last_failure = None;
                 RetryReason::Busy

@@ -21,7 +21,7 @@ use crate::balancer::Balancer;
 use crate::body::ResponseBody;
 use crate::config::Settings;
 use crate::metrics::MetricsError;
-use crate::proxy::{self, ForwardedFor, RetryPolicy};
+use crate::proxy::{self, ForwardedFor, ProxyPolicy};
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -41,7 +41,7 @@ pub enum StartError {
 
 struct Shared {
     balancer: Arc<Balancer>,
-    retry: RetryPolicy,
+    retry: ProxyPolicy,
     admin: AdminPolicy,
 }
 
@@ -84,11 +84,12 @@ impl Router {
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = Balancer::new(&settings)?;
         let config = &settings.config;
-        let retry = RetryPolicy {
+        let retry = ProxyPolicy {
             max_attempts: config.max_attempts,
             body_limit: config.retry_body_limit,
             buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
             first_byte_timeout: Settings::optional(config.first_byte_timeout),
+            decision_headers: config.decision_headers,
         };
         Ok(Self {
             shared: Arc::new(Shared {

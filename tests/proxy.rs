@@ -295,3 +295,30 @@ async fn backend_dying_mid_stream_ends_the_client_stream_with_an_error() {
         .expect("the stream ends, it does not hang");
     assert!(result.is_err(), "a truncated body must surface as an error");
 }
+
+#[tokio::test]
+async fn decision_headers_are_off_by_default_and_name_the_backend_when_on() {
+    let backend = named_backend("a").await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let (_, headers, _) = send(Request::get(router.url("/")).body(full("")).unwrap()).await;
+    assert!(!headers.contains_key("x-custom-router-backend"));
+    assert!(!headers.contains_key("x-custom-router-queue-ms"));
+
+    let mut config = round_robin();
+    config.decision_headers = true;
+    let router = start_router(config).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let (status, headers, _) = send(Request::get(router.url("/")).body(full("")).unwrap()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        headers["x-custom-router-backend"],
+        backend.host_port().as_str()
+    );
+    let queued: u64 = headers["x-custom-router-queue-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(queued < 1000, "{queued}");
+}

@@ -37,6 +37,18 @@ async fn settle() {
     }
 }
 
+/// Admits requests for as long as they go straight out (at most `most`).
+async fn admit_while_room(balancer: &Arc<Balancer>, most: usize) -> Vec<Lease> {
+    let mut leases = Vec::new();
+    while leases.len() < most {
+        match tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await {
+            Ok(Ok(lease)) => leases.push(lease),
+            _ => break,
+        }
+    }
+    leases
+}
+
 async fn admit_later(balancer: &Arc<Balancer>) -> JoinHandle<Lease> {
     let balancer = Arc::clone(balancer);
     let task = tokio::spawn(async move { balancer.admit(RequestInfo::default()).await.unwrap() });
@@ -107,13 +119,8 @@ async fn a_replica_at_its_limit_sends_requests_to_the_next_then_to_the_queue() {
         2048,
     )
     .await;
-    let mut held = Vec::new();
-    while let Ok(Ok(lease)) =
-        tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
-    {
-        held.push(lease);
-        assert!(held.len() <= 5, "no limit");
-    }
+    let held = admit_while_room(&balancer, 6).await;
+    assert!(held.len() <= 5, "no limit");
     assert!(held.len() >= 4, "{}", held.len());
     assert_eq!(backends[0].in_flight(), held.len());
     // At its limit: the next request waits in the router, not in the replica.
@@ -142,21 +149,12 @@ async fn the_limit_grows_while_ttfb_stays_near_its_baseline_and_shrinks_when_it_
         )
         .await;
     }
-    let mut concurrent = Vec::new();
-    while let Ok(Ok(lease)) =
-        tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
-    {
-        concurrent.push(lease);
-        if concurrent.len() > 50 {
-            break;
-        }
-    }
+    let concurrent = admit_while_room(&balancer, 51).await;
     let grown = concurrent.len();
     assert!(grown > 4, "limit stayed at {grown}");
     assert_eq!(backends[0].in_flight(), grown);
     // Every answer now waits 10× its baseline for its first byte: the limit comes down.
-    let mut pending: Vec<_> = concurrent.into_iter().collect();
-    while let Some(lease) = pending.pop() {
+    for lease in concurrent {
         stream_answer(
             lease,
             Duration::from_millis(200),
@@ -165,15 +163,7 @@ async fn the_limit_grows_while_ttfb_stays_near_its_baseline_and_shrinks_when_it_
         )
         .await;
     }
-    let mut concurrent = Vec::new();
-    while let Ok(Ok(lease)) =
-        tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
-    {
-        concurrent.push(lease);
-        if concurrent.len() > 50 {
-            break;
-        }
-    }
+    let concurrent = admit_while_room(&balancer, 51).await;
     assert!(
         concurrent.len() < grown,
         "limit {} did not shrink from {grown}",

@@ -284,50 +284,57 @@ mod tests {
     #[test]
     fn verdicts_follow_the_status_and_retry_after() {
         let ra = Some(Duration::from_secs(2));
-        assert_eq!(
-            Verdict::of(Some(StatusCode::OK), false, None),
-            Verdict::Healthy
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::NOT_FOUND), false, None),
-            Verdict::Healthy
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::INTERNAL_SERVER_ERROR), false, None),
-            Verdict::Failure
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::BAD_GATEWAY), false, None),
-            Verdict::Failure
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::GATEWAY_TIMEOUT), false, None),
-            Verdict::Failure
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::SERVICE_UNAVAILABLE), false, None),
-            Verdict::Failure
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::SERVICE_UNAVAILABLE), false, ra),
-            Verdict::Busy(Duration::from_secs(2))
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::TOO_MANY_REQUESTS), false, ra),
-            Verdict::Busy(Duration::from_secs(2))
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::TOO_MANY_REQUESTS), false, None),
-            Verdict::Busy(DEFAULT_BUSY_PAUSE)
-        );
-        assert_eq!(Verdict::of(None, true, None), Verdict::Failure);
-        assert_eq!(
-            Verdict::of(Some(StatusCode::NOT_IMPLEMENTED), false, None),
-            Verdict::Neutral
-        );
-        assert_eq!(
-            Verdict::of(Some(StatusCode::OK), true, None),
-            Verdict::Failure
-        );
+        let two_seconds = Verdict::Busy(Duration::from_secs(2));
+        let cases = [
+            (Some(StatusCode::OK), false, None, Verdict::Healthy),
+            (Some(StatusCode::NOT_FOUND), false, None, Verdict::Healthy),
+            (
+                Some(StatusCode::INTERNAL_SERVER_ERROR),
+                false,
+                None,
+                Verdict::Failure,
+            ),
+            (Some(StatusCode::BAD_GATEWAY), false, None, Verdict::Failure),
+            (
+                Some(StatusCode::GATEWAY_TIMEOUT),
+                false,
+                None,
+                Verdict::Failure,
+            ),
+            (
+                Some(StatusCode::SERVICE_UNAVAILABLE),
+                false,
+                None,
+                Verdict::Failure,
+            ),
+            (
+                Some(StatusCode::SERVICE_UNAVAILABLE),
+                false,
+                ra,
+                two_seconds,
+            ),
+            (Some(StatusCode::TOO_MANY_REQUESTS), false, ra, two_seconds),
+            (
+                Some(StatusCode::TOO_MANY_REQUESTS),
+                false,
+                None,
+                Verdict::Busy(DEFAULT_BUSY_PAUSE),
+            ),
+            (
+                Some(StatusCode::NOT_IMPLEMENTED),
+                false,
+                None,
+                Verdict::Neutral,
+            ),
+            (None, true, None, Verdict::Failure),
+            (Some(StatusCode::OK), true, None, Verdict::Failure),
+        ];
+        for (status, failed, retry_after, expected) in cases {
+            assert_eq!(
+                Verdict::of(status, failed, retry_after),
+                expected,
+                "{status:?} {failed}"
+            );
+        }
     }
 }

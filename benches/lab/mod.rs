@@ -59,7 +59,7 @@ impl From<std::io::Error> for LabError {
 pub enum Mode {
     /// The durations of `scenarios.rs`.
     Default,
-    /// 15% of them.
+    /// 12% of them.
     Quick,
     /// A twenty-fifth, for the smoke test.
     Smoke,
@@ -70,7 +70,7 @@ impl Mode {
     pub fn time_scale(self) -> f64 {
         match self {
             Mode::Default => 1.0,
-            Mode::Quick => 0.15,
+            Mode::Quick => 0.12,
             Mode::Smoke => 0.04,
         }
     }

@@ -44,6 +44,15 @@ pub enum AddrError {
 }
 
 /// A parsed backend address: `host:port`, `http://host:port` or `https://host:port`.
+///
+/// ```
+/// use custom_router::backend::BackendAddr;
+///
+/// let addr: BackendAddr = "HTTP://Replica-1.Internal:8080/".parse().unwrap();
+/// assert_eq!(addr.as_str(), "replica-1.internal:8080");
+/// assert!(!addr.is_https());
+/// assert!("10.0.0.1".parse::<BackendAddr>().is_err());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BackendAddr {
     https: bool,

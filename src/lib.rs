@@ -11,6 +11,7 @@ pub mod balancer;
 pub mod body;
 pub mod cidr;
 pub mod config;
+pub mod framing;
 pub mod metrics;
 pub mod proxy;
 pub mod response;

@@ -20,8 +20,10 @@ use crate::admin::{self, AdminPolicy};
 use crate::balancer::Balancer;
 use crate::body::ResponseBody;
 use crate::config::Settings;
+use crate::framing::Inspected;
 use crate::metrics::MetricsError;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
+use crate::response;
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +142,7 @@ impl Router {
             .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
         let acceptor = Acceptor {
             header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
+            max_header_bytes: config.max_header_bytes,
             listener,
             builder,
             graceful: GracefulShutdown::new(),
@@ -179,6 +182,7 @@ impl Router {
 /// clients wait in the listen backlog.
 struct Acceptor {
     header_read_timeout: Duration,
+    max_header_bytes: usize,
     listener: TcpListener,
     builder: auto::Builder<TokioExecutor>,
     graceful: GracefulShutdown,
@@ -214,14 +218,10 @@ impl Acceptor {
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&self.shared);
         let client = Arc::new(ForwardedFor::new(peer));
-        let service = service_fn(move |request| {
-            let shared = Arc::clone(&shared);
-            let client = Arc::clone(&client);
-            async move { Ok::<_, Infallible>(route(&shared, request, &client).await) }
-        });
         let builder = self.builder.clone();
         let watcher = self.graceful.watcher();
         let first_byte_within = self.header_read_timeout;
+        let header_limit = self.max_header_bytes;
         tokio::spawn(async move {
             // A client that connects and sends nothing does not keep a connection slot: hyper's
             // header timeout only starts once the protocol is known.
@@ -230,6 +230,18 @@ impl Acceptor {
                 Ok(Ok(read)) if read > 0 => {}
                 _ => return,
             }
+            let (stream, conflict) = Inspected::new(stream, header_limit);
+            let service = service_fn(move |request| {
+                let shared = Arc::clone(&shared);
+                let client = Arc::clone(&client);
+                let conflict = Arc::clone(&conflict);
+                async move {
+                    if conflict.seen() {
+                        return Ok::<_, Infallible>(conflicting_framing());
+                    }
+                    Ok(route(&shared, request, &client).await)
+                }
+            });
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             if let Err(error) = watcher.watch(connection.into_owned()).await {
                 tracing::debug!(%peer, error = %error, "connection ended with an error");
@@ -237,6 +249,20 @@ impl Acceptor {
             drop(slot);
         });
     }
+}
+
+/// 400 for a request that carried both `Transfer-Encoding` and `Content-Length`; the connection
+/// is closed after it.
+fn conflicting_framing() -> Response<ResponseBody> {
+    let mut answer = response::error(
+        http::StatusCode::BAD_REQUEST,
+        "request has both Transfer-Encoding and Content-Length",
+    );
+    answer.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    answer
 }
 
 async fn route(

@@ -602,3 +602,40 @@ async fn admin_paths_are_never_proxied_even_unknown_ones() {
     }
     assert_eq!(backend.hits(), 0);
 }
+
+#[tokio::test]
+async fn a_request_with_both_transfer_encoding_and_content_length_is_refused() {
+    let backend = named_backend("backend").await;
+    let router = start_router(with_strategy("round-robin")).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    for head in [
+        "POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
+        "POST /a HTTP/1.1\r\nhost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n",
+    ] {
+        let mut stream = TcpStream::connect(router.addr).await.unwrap();
+        let request = format!("{head}0\r\n\r\nGET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))
+            .await
+            .expect("the connection is closed")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(
+            answer.contains("Transfer-Encoding and Content-Length"),
+            "{answer}"
+        );
+    }
+    assert_eq!(backend.hits(), 0, "neither request reached the backend");
+    // An ordinary chunked request on a fresh connection is still proxied.
+    let mut stream = TcpStream::connect(router.addr).await.unwrap();
+    stream
+        .write_all(b"POST /b HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+    assert_eq!(backend.hits(), 1);
+}

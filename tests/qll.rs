@@ -15,17 +15,11 @@ use tokio::net::TcpStream;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_refusing_connections_costs_at_most_two_percent() {
-    let healthy = [
-        slow_backend(Duration::from_millis(20)).await,
-        slow_backend(Duration::from_millis(20)).await,
-        slow_backend(Duration::from_millis(20)).await,
-    ];
+    let (_healthy, addrs) = three_healthy_and(refusing_addr(), 1, Duration::from_millis(20)).await;
     // Retries off: the strategy rule alone must keep the dead replica from attracting traffic.
     let mut config = qll();
     config.max_attempts = 1;
     let router = start_router(config).await;
-    let mut addrs: Vec<String> = healthy.iter().map(FakeBackend::host_port).collect();
-    addrs.insert(1, refusing_addr());
     set_backends(router.addr, &addrs).await;
     let statuses = run_load(&router, 300, 8).await;
     let errors = statuses.iter().filter(|s| **s != StatusCode::OK).count();
@@ -39,16 +33,11 @@ async fn one_replica_answering_500_at_once_costs_at_most_ten_percent() {
     let failing =
         spawn_backend(|_request| async { respond(StatusCode::INTERNAL_SERVER_ERROR, "boom") })
             .await;
-    let healthy = [
-        slow_backend(Duration::from_millis(20)).await,
-        slow_backend(Duration::from_millis(20)).await,
-        slow_backend(Duration::from_millis(20)).await,
-    ];
+    let (_healthy, addrs) =
+        three_healthy_and(failing.host_port(), 2, Duration::from_millis(20)).await;
     let mut config = qll();
     config.max_attempts = 1;
     let router = start_router(config).await;
-    let mut addrs: Vec<String> = healthy.iter().map(FakeBackend::host_port).collect();
-    addrs.insert(2, failing.host_port());
     set_backends(router.addr, &addrs).await;
     let statuses = run_load(&router, 300, 8).await;
     let errors = statuses.iter().filter(|s| **s != StatusCode::OK).count();

@@ -9,18 +9,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use custom_router::config::Config;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-fn with_strategy(name: &str) -> Config {
-    let mut config = Config::default();
-    config.strategy.name = name.to_owned();
-    config
-}
 
 /// The value of a series in the router's metrics text.
 async fn metric(router: &TestRouter, series: &str) -> f64 {
@@ -34,14 +27,9 @@ async fn metric(router: &TestRouter, series: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_refusing_connections_costs_no_request_with_any_strategy() {
     for strategy in ["queued-least-latency", "round-robin"] {
-        let healthy = [
-            slow_backend(Duration::from_millis(5)).await,
-            slow_backend(Duration::from_millis(5)).await,
-            slow_backend(Duration::from_millis(5)).await,
-        ];
+        let (_healthy, addrs) =
+            three_healthy_and(refusing_addr(), 0, Duration::from_millis(5)).await;
         let router = start_router(with_strategy(strategy)).await;
-        let mut addrs: Vec<String> = healthy.iter().map(FakeBackend::host_port).collect();
-        addrs.insert(0, refusing_addr());
         set_backends(router.addr, &addrs).await;
         let statuses = run_load(&router, 500, 8).await;
         let errors = statuses.iter().filter(|s| **s != StatusCode::OK).count();
@@ -74,17 +62,11 @@ async fn one_failing_of_four(
     healthy: &Arc<AtomicBool>,
 ) -> (TestRouter, FakeBackend, [FakeBackend; 3]) {
     let failing = flaky_backend(Arc::clone(healthy)).await;
-    let others = [
-        slow_backend(Duration::from_millis(5)).await,
-        slow_backend(Duration::from_millis(5)).await,
-        slow_backend(Duration::from_millis(5)).await,
-    ];
+    let (others, addrs) = three_healthy_and(failing.host_port(), 1, Duration::from_millis(5)).await;
     let mut config = with_strategy(strategy);
     config.ejection_time = 0.3;
     config.health_check_path = Some("/health".to_owned());
     let router = start_router(config).await;
-    let mut addrs: Vec<String> = others.iter().map(FakeBackend::host_port).collect();
-    addrs.insert(1, failing.host_port());
     set_backends(router.addr, &addrs).await;
     (router, failing, others)
 }
@@ -228,16 +210,21 @@ async fn a_killed_replica_fails_its_streams_fast_and_new_requests_go_elsewhere()
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_busy_replica_is_paused_and_the_request_is_served_elsewhere() {
-    let busy = spawn_backend(|_request| async {
-        let mut response = respond(StatusCode::TOO_MANY_REQUESTS, "slow down");
+/// A backend answering `status` with `Retry-After: retry_after` to everything.
+async fn busy_backend(status: StatusCode, retry_after: &'static str) -> FakeBackend {
+    spawn_backend(move |_request| async move {
+        let mut response = respond(status, "busy");
         response
             .headers_mut()
-            .insert("retry-after", "2".parse().unwrap());
+            .insert("retry-after", retry_after.parse().unwrap());
         response
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_replica_is_paused_and_the_request_is_served_elsewhere() {
+    let busy = busy_backend(StatusCode::TOO_MANY_REQUESTS, "2").await;
     let free = named_backend("free").await;
     let router = start_router(with_strategy("round-robin")).await;
     set_backends(router.addr, &[busy.host_port(), free.host_port()]).await;
@@ -257,14 +244,7 @@ async fn a_busy_replica_is_paused_and_the_request_is_served_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_every_replica_busy_round_robin_answers_503_busy() {
-    let busy = spawn_backend(|_request| async {
-        let mut response = respond(StatusCode::SERVICE_UNAVAILABLE, "loading");
-        response
-            .headers_mut()
-            .insert("retry-after", "5".parse().unwrap());
-        response
-    })
-    .await;
+    let busy = busy_backend(StatusCode::SERVICE_UNAVAILABLE, "5").await;
     let router = start_router(with_strategy("round-robin")).await;
     set_backends(router.addr, &[busy.host_port()]).await;
     let (status, body) = get(&router.url("/generate")).await;

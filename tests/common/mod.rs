@@ -195,16 +195,36 @@ pub async fn start_router(config: Config) -> TestRouter {
 
 /// A round-robin router config.
 pub fn round_robin() -> Config {
+    with_strategy("round-robin")
+}
+
+/// A default config with strategy `name`.
+pub fn with_strategy(name: &str) -> Config {
     let mut config = Config::default();
-    config.strategy.name = "round-robin".to_owned();
+    config.strategy.name = name.to_owned();
     config
 }
 
 /// A queued-least-latency router config.
 pub fn qll() -> Config {
-    let mut config = Config::default();
-    config.strategy.name = "queued-least-latency".to_owned();
-    config
+    with_strategy("queued-least-latency")
+}
+
+/// Three backends answering 200 after `delay`, and the four addresses with `odd_one` at
+/// position `at`.
+pub async fn three_healthy_and(
+    odd_one: String,
+    at: usize,
+    delay: Duration,
+) -> ([FakeBackend; 3], Vec<String>) {
+    let healthy = [
+        slow_backend(delay).await,
+        slow_backend(delay).await,
+        slow_backend(delay).await,
+    ];
+    let mut addrs: Vec<String> = healthy.iter().map(FakeBackend::host_port).collect();
+    addrs.insert(at, odd_one);
+    (healthy, addrs)
 }
 
 /// A backend that answers 200 after `delay`.

@@ -47,6 +47,9 @@ pub enum Rejection {
     ShuttingDown,
     /// Every backend that could take the request answered that it is busy.
     Busy,
+    /// The queue already held `queue_shed_ratio` times the requests in flight; the value is the
+    /// expected time for the queue to drain, in whole seconds (at least 1).
+    Overloaded(u32),
 }
 
 impl Rejection {
@@ -58,6 +61,17 @@ impl Rejection {
             Rejection::Timeout => "request timed out waiting in the router queue",
             Rejection::ShuttingDown => "router is shutting down",
             Rejection::Busy => "every backend that could take the request is busy",
+            Rejection::Overloaded(_) => {
+                "router overloaded: the queue ahead of this request would take too long to drain"
+            }
+        }
+    }
+
+    /// Seconds for the `Retry-After` header.
+    pub fn retry_after(self) -> u32 {
+        match self {
+            Rejection::Overloaded(seconds) => seconds.max(1),
+            _ => 1,
         }
     }
 }
@@ -91,6 +105,7 @@ impl Queue {
 struct Tuning {
     queue_max_size: usize,
     queue_timeout: Duration,
+    queue_shed_ratio: f64,
     ewma_alpha: f64,
     latency_threshold: f64,
     completed_cap: u64,
@@ -147,6 +162,7 @@ impl Balancer {
             tuning: Tuning {
                 queue_max_size: config.queue_max_size,
                 queue_timeout: settings.queue_timeout(),
+                queue_shed_ratio: config.queue_shed_ratio,
                 ewma_alpha: config.ewma_alpha,
                 latency_threshold: config.latency_threshold,
                 completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
@@ -287,6 +303,11 @@ impl Balancer {
                 self.metrics.rejected.add(1, &[]);
                 return Err(Rejection::NoBackend);
             }
+            if let Some(drain) = self.overloaded_locked(&queue) {
+                drop(queue);
+                self.metrics.shed.add(1, &[]);
+                return Err(Rejection::Overloaded(drain));
+            }
             self.enqueue_locked(&mut queue, info, enqueued_at)
         };
         let mut waiting = Waiting {
@@ -330,6 +351,36 @@ impl Balancer {
             return self.admit(info).await.map(Some);
         }
         Ok(None)
+    }
+
+    /// Load shedding: `Some(seconds to drain the queue)` when a new request should be refused
+    /// because the queue already holds `queue_shed_ratio` times the requests in flight.
+    ///
+    /// By Little's law the backends finish about `in_flight / latency` requests per second, so a
+    /// request joining a queue of `q` waits about `q / in_flight` request latencies: the ratio
+    /// bounds the wait in units of the backends' own latency. Nothing is shed while a backend has
+    /// no latency yet (its capacity is unknown, e.g. it was just added) or nothing is in flight
+    /// (the queue waits for backends, not for capacity).
+    fn overloaded_locked(&self, queue: &Queue) -> Option<u32> {
+        let ratio = self.tuning.queue_shed_ratio;
+        let queued = queue.waiters.len();
+        if ratio <= 0.0 || queued == 0 {
+            return None;
+        }
+        let backends = self.backends.load();
+        let mut in_flight = 0usize;
+        let mut per_second = 0.0;
+        for backend in backends.iter() {
+            let latency = backend.ewma_latency()?;
+            let busy = backend.in_flight();
+            in_flight += busy;
+            per_second += busy as f64 / latency.max(1e-3);
+        }
+        if in_flight == 0 || (queued as f64) < ratio * in_flight as f64 {
+            return None;
+        }
+        let drain = (queued as f64 / per_second).ceil();
+        Some(drain.clamp(1.0, 3600.0) as u32)
     }
 
     fn enqueue_locked(

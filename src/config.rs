@@ -61,6 +61,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "seconds a request may wait in the queue before it is answered 503",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_QUEUE_SHED_RATIO",
+        key: "queue_shed_ratio",
+        help: "a new request is answered 503 at once while the queue holds more than this many times the requests in flight; 0 never sheds",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_EWMA_ALPHA",
         key: "ewma_alpha",
         help: "EWMA smoothing factor in (0, 1]; higher reacts faster",
@@ -248,6 +253,9 @@ pub struct Config {
     pub queue_max_size: usize,
     /// Seconds a request may wait in the queue.
     pub queue_timeout: f64,
+    /// A new request is answered 503 at once while the queue holds at least this many times the
+    /// requests in flight (it would wait about that many request latencies). 0: never.
+    pub queue_shed_ratio: f64,
     /// EWMA smoothing factor in (0, 1].
     pub ewma_alpha: f64,
     /// Seconds between backend-state log lines.
@@ -318,6 +326,7 @@ impl Default for Config {
             latency_threshold: 3.0,
             queue_max_size: 1000,
             queue_timeout: 1200.0,
+            queue_shed_ratio: 10.0,
             ewma_alpha: 0.3,
             state_log_interval: 30.0,
             shutdown_timeout: 30.0,
@@ -666,6 +675,15 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
                 format!("expected a percentage from 0 to 100, found {value}"),
             ));
         }
+    }
+    if !(config.queue_shed_ratio.is_finite() && config.queue_shed_ratio >= 0.0) {
+        return Err(ConfigError::new(
+            locate("queue_shed_ratio"),
+            format!(
+                "expected zero (never shed) or a positive number, found {}",
+                config.queue_shed_ratio
+            ),
+        ));
     }
     if !(config.retry_budget_min_per_second.is_finite()
         && config.retry_budget_min_per_second >= 0.0)

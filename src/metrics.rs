@@ -35,6 +35,9 @@ pub mod names {
     pub const REQUESTS_CANCELLED: &str = "custom_router_requests_cancelled";
     /// Counter `custom_router_requests_rejected_total`: answered 503 at once (no backend to use).
     pub const REQUESTS_REJECTED: &str = "custom_router_requests_rejected";
+    /// Counter `custom_router_requests_shed_total`: answered 503 at once because the queue
+    /// ahead was too long (`queue_shed_ratio`).
+    pub const REQUESTS_SHED: &str = "custom_router_requests_shed";
     /// Counter `custom_router_backend_responses_total{addr,class}`: responses by status class.
     pub const BACKEND_RESPONSES: &str = "custom_router_backend_responses";
     /// Counter `custom_router_upstream_errors_total{addr,kind}`: failed upstream attempts.
@@ -109,6 +112,8 @@ pub struct Metrics {
     pub cancelled: Counter<u64>,
     /// Requests answered 503 at once because no backend could take them.
     pub rejected: Counter<u64>,
+    /// Requests answered 503 at once because the queue ahead was too long.
+    pub shed: Counter<u64>,
     /// Retries by reason.
     retries: Counter<u64>,
     /// Failures not retried because the retry budget was spent.
@@ -187,6 +192,10 @@ impl Metrics {
             rejected: counter(
                 names::REQUESTS_REJECTED,
                 "Requests answered 503 at once because no backend could take them",
+            ),
+            shed: counter(
+                names::REQUESTS_SHED,
+                "Requests answered 503 at once because the router queue ahead of them was too long",
             ),
             retries: {
                 let retries = meter

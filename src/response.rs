@@ -32,7 +32,7 @@ pub fn rejection(rejection: Rejection) -> Response<ResponseBody> {
     );
     response
         .headers_mut()
-        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+        .insert(RETRY_AFTER, HeaderValue::from(rejection.retry_after()));
     response
 }
 
@@ -43,5 +43,20 @@ fn reason(rejection: Rejection) -> &'static str {
         Rejection::Timeout => "queue_timeout",
         Rejection::ShuttingDown => "shutting_down",
         Rejection::Busy => "busy",
+        Rejection::Overloaded(_) => "overloaded",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overloaded_rejection_says_when_to_come_back() {
+        let response = rejection(Rejection::Overloaded(7));
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[RETRY_AFTER], "7");
+        let response = rejection(Rejection::Timeout);
+        assert_eq!(response.headers()[RETRY_AFTER], "1");
     }
 }

@@ -16,16 +16,24 @@
 //! latency mixes up a slow replica with a long answer, and a latency threshold is not a capacity
 //! signal, so the load score keeps rules 1 and 2 and replaces 3 and 4:
 //!
-//! - *Cost*: an EWMA of each answer's latency per KiB of response body (at least one KiB), i.e.
-//!   the replica's speed with the answer length factored out. A failed attempt counts as
-//!   `latency_threshold` per KiB, which keeps a failing replica last.
+//! - *Cost*: seconds per KiB of response body, i.e. the replica's speed with the answer length
+//!   factored out: an EWMA of latency divided by an EWMA of KiB (at least 1/8 KiB per answer),
+//!   kept apart for streamed and whole answers, whose bytes per token differ by an order of
+//!   magnitude (an event per token against plain text). A replica's cost is relative to the
+//!   fleet's: for each kind, its cost over the mean cost of the replicas that served that kind
+//!   (the geometric mean of the two ratios when it served both), so replicas compare on equal
+//!   terms whatever mix of answers each happened to get. A failed attempt counts as
+//!   `latency_threshold` for 1 KiB in both kinds, which keeps a failing replica last.
 //! - *Concurrency limit*: learned from time to first byte (for a streamed answer, the time to the
 //!   first token: queueing plus prefill). Each replica keeps a TTFB baseline (its lowest recent
 //!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline + `ttfb_slack` raises
 //!   the limit by about √limit; a slower one lowers it in proportion (a gradient, as in
-//!   Netflix's concurrency-limits). It starts at `initial_limit`. A measured backend is a candidate while
-//!   its in-flight count is below its limit and below `ramp_up_factor × completed`.
-//! - *Score*: cost × (in-flight + 1), the expected latency of one more request (peak-EWMA style).
+//!   Netflix's concurrency-limits). It starts at `initial_limit`. Once streams have set the
+//!   baseline, whole answers leave the limit alone; on a replica that never streamed, each whole
+//!   answer raises it. A measured backend is a candidate while its in-flight count is below its
+//!   limit and below `ramp_up_factor × completed`.
+//! - *Score*: relative cost × (in-flight + 1), the expected latency of one more request
+//!   (peak-EWMA style).
 //!
 //! When every replica is at its limit, requests wait in the router queue instead of in a
 //! replica's own queue, so a replica added during a burst takes the waiting requests at once.
@@ -139,19 +147,111 @@ fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>,
     Ok(Arc::new(QueuedLeastLatency::with(&params, context)))
 }
 
+/// Index of streamed answers' cost.
+const STREAMED: usize = 0;
+/// Index of whole answers' cost.
+const WHOLE: usize = 1;
+/// Weight of a new sample in the cost EWMAs: replicas' relative speeds change slowly, and one
+/// answer's length and timing are noisy.
+const COST_SMOOTHING: f64 = 0.1;
+/// Smallest size an answer counts for, in KiB.
+const MIN_KIB: f64 = 0.125;
+
+/// The cost of one kind of answer on one backend: EWMAs of latency and of size.
+#[derive(Debug, Clone, Copy, Default)]
+struct KindCost {
+    latency: f64,
+    kib: f64,
+}
+
+impl KindCost {
+    /// Seconds per KiB; `None` before the first answer of this kind.
+    fn cost(&self) -> Option<f64> {
+        (self.kib > 0.0).then(|| self.latency / self.kib)
+    }
+
+    fn record(&mut self, latency: f64, kib: f64) {
+        if self.kib > 0.0 {
+            self.latency += COST_SMOOTHING * (latency - self.latency);
+            self.kib += COST_SMOOTHING * (kib - self.kib);
+        } else {
+            self.latency = latency;
+            self.kib = kib;
+        }
+    }
+}
+
 /// What the load score learns about one backend.
 #[derive(Debug, Clone, Copy)]
 struct Learned {
-    /// EWMA of seconds per KiB of answer.
-    cost: f64,
+    /// Cost of streamed and of whole answers.
+    kinds: [KindCost; 2],
     /// Lowest recent time to first byte, in seconds.
     ttfb_baseline: Option<f64>,
     /// Concurrency limit.
     limit: f64,
 }
 
-/// What was learned, by backend id.
-type LearnedMap = HashMap<u64, Learned, BuildHasherDefault<IdHasher>>;
+/// Sum and count of the backends' costs, per kind, for the fleet's mean.
+#[derive(Debug, Clone, Copy, Default)]
+struct Fleet {
+    sum: [f64; 2],
+    count: [u32; 2],
+}
+
+impl Fleet {
+    fn of(map: &HashMap<u64, Learned, BuildHasherDefault<IdHasher>>) -> Self {
+        let mut fleet = Fleet::default();
+        for learned in map.values() {
+            for (kind, cost) in learned.kinds.iter().enumerate() {
+                if let Some(cost) = cost.cost() {
+                    fleet.sum[kind] += cost;
+                    fleet.count[kind] += 1;
+                }
+            }
+        }
+        fleet
+    }
+
+    /// Replaces one backend's `old` cost of `kind` with `new`.
+    fn replace(&mut self, kind: usize, old: Option<f64>, new: Option<f64>) {
+        if let Some(old) = old {
+            self.sum[kind] -= old;
+            self.count[kind] -= 1;
+        }
+        if let Some(new) = new {
+            self.sum[kind] += new;
+            self.count[kind] += 1;
+        }
+    }
+
+    /// A backend's cost relative to the fleet's mean (1.0 when nothing compares).
+    fn relative(&self, learned: &Learned) -> f64 {
+        let mut product = 1.0;
+        let mut kinds = 0;
+        for (kind, cost) in learned.kinds.iter().enumerate() {
+            if let Some(cost) = cost.cost() {
+                let mean = self.sum[kind] / f64::from(self.count[kind].max(1));
+                if mean > 0.0 {
+                    product *= cost / mean;
+                    kinds += 1;
+                }
+            }
+        }
+        match kinds {
+            0 => 1.0,
+            1 => product,
+            _ => product.sqrt(),
+        }
+    }
+}
+
+/// What was learned, by backend id, and the fleet's sums.
+#[derive(Debug, Default)]
+struct LearnedMap {
+    map: HashMap<u64, Learned, BuildHasherDefault<IdHasher>>,
+    fleet: Fleet,
+}
 
 /// Backend ids are unique sequence numbers: one multiplication (Fibonacci hashing) spreads them
 /// over the hash's high bits, which the map uses, at a fraction of SipHash's cost.
@@ -185,13 +285,12 @@ const LIMIT_SMOOTHING: f64 = 0.2;
 pub struct QueuedLeastLatency {
     score: Score,
     latency_threshold: f64,
-    ewma_alpha: f64,
     ramp_up_factor: f64,
     ttfb_tolerance: f64,
     ttfb_slack: f64,
     initial_limit: f64,
     max_limit: f64,
-    learned: Mutex<HashMap<u64, Learned, BuildHasherDefault<IdHasher>>>,
+    learned: Mutex<LearnedMap>,
     rotation: AtomicUsize,
 }
 
@@ -200,7 +299,6 @@ impl QueuedLeastLatency {
         Self {
             score: params.score,
             latency_threshold: context.latency_threshold,
-            ewma_alpha: context.ewma_alpha,
             ramp_up_factor: params.ramp_up_factor,
             ttfb_tolerance: params.ttfb_tolerance,
             ttfb_slack: params.ttfb_slack,
@@ -264,12 +362,12 @@ impl QueuedLeastLatency {
     /// The load score of `backend` if it is a candidate.
     fn load_score(&self, backend: &Backend, learned: &LearnedMap) -> Option<f64> {
         let in_flight = backend.in_flight();
-        let Some(ewma) = backend.ewma_latency() else {
+        if backend.ewma_latency().is_none() {
             return (in_flight == 0).then_some(0.0);
-        };
-        let state = learned.get(&backend.id());
+        }
+        let state = learned.map.get(&backend.id());
         let limit = state.map_or(self.initial_limit, |s| s.limit);
-        let cost = state.map_or(ewma, |s| s.cost);
+        let cost = state.map_or(1.0, |s| learned.fleet.relative(s));
         let room =
             in_flight == 0 || ((in_flight as f64) < limit && self.ramp_room(backend, in_flight));
         room.then_some(cost * (in_flight + 1) as f64)
@@ -278,30 +376,42 @@ impl QueuedLeastLatency {
     /// The current concurrency limit learned for `backend` (`load` score).
     pub fn limit(&self, backend: &Backend) -> f64 {
         self.learned()
+            .map
             .get(&backend.id())
             .map_or(self.initial_limit, |s| s.limit)
     }
 
     fn learn(&self, backend: &Backend, outcome: &Outcome) {
-        let kib = (outcome.bytes as f64 / 1024.0).max(1.0);
-        let cost_sample = if outcome.failed {
-            self.latency_threshold.max(outcome.latency)
-        } else {
-            outcome.latency / kib
-        };
-        let mut learned = self.learned();
-        let state = learned.entry(backend.id()).or_insert(Learned {
-            cost: cost_sample,
+        let mut guard = self.learned();
+        let LearnedMap { map, fleet } = &mut *guard;
+        let state = map.entry(backend.id()).or_insert(Learned {
+            kinds: [KindCost::default(); 2],
             ttfb_baseline: None,
             limit: self.initial_limit,
         });
-        state.cost = self.ewma_alpha * cost_sample + (1.0 - self.ewma_alpha) * state.cost;
         if outcome.failed {
+            for (kind, cost) in state.kinds.iter_mut().enumerate() {
+                let old = cost.cost();
+                cost.record(self.latency_threshold.max(outcome.latency), 1.0);
+                fleet.replace(kind, old, cost.cost());
+            }
             return;
         }
-        // Only a stream's first byte measures queueing; a whole answer's length says nothing
-        // about congestion, so it counts as no sign of it.
+        let kind = if outcome.streamed { STREAMED } else { WHOLE };
+        let cost = &mut state.kinds[kind];
+        let old = cost.cost();
+        cost.record(
+            outcome.latency,
+            (outcome.bytes as f64 / 1024.0).max(MIN_KIB),
+        );
+        fleet.replace(kind, old, cost.cost());
+        // Only a stream's first byte measures queueing; a whole answer's first byte comes with
+        // its end. Once streams have set a baseline they alone move the limit; on a replica
+        // that never streamed, a whole answer counts as no sign of congestion.
         let Some(ttfb) = outcome.first_byte.filter(|_| outcome.streamed) else {
+            if state.ttfb_baseline.is_some() {
+                return;
+            }
             state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
                 + LIMIT_SMOOTHING * (state.limit + state.limit.sqrt()))
             .min(self.max_limit);
@@ -392,8 +502,11 @@ impl Strategy for QueuedLeastLatency {
         // Keep what was learned about ejected or paused backends; forget removed ones once the
         // map is much larger than the set.
         let mut learned = self.learned();
-        if learned.len() > 4 * backends.len().max(8) {
-            learned.retain(|id, _| backends.iter().any(|b| b.id() == *id));
+        if learned.map.len() > 4 * backends.len().max(8) {
+            learned
+                .map
+                .retain(|id, _| backends.iter().any(|b| b.id() == *id));
+            learned.fleet = Fleet::of(&learned.map);
         }
     }
 }

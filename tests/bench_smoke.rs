@@ -48,6 +48,8 @@ async fn the_smoke_suite_reports_every_scenario_and_strategy() {
         for entry in REGISTRY {
             check_peer_numbers(reported, entry.name);
         }
+        // Run with a configuration file of strategy parameters.
+        check_peer_numbers(reported, lab::REFERENCE_RULES);
     }
 
     let markdown = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
@@ -291,4 +293,38 @@ async fn wait_until(condition: impl Fn() -> bool) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     panic!("condition not reached within 5 s");
+}
+
+#[test]
+fn a_strategy_spec_carries_its_parameters_into_the_config_file() {
+    use lab::peer::StrategySpec;
+    let spec = StrategySpec::parse(
+        "queued-least-latency:score=ewma,ramp_up_factor=3,config.queue_shed_ratio=0",
+    )
+    .unwrap();
+    assert_eq!(spec.name, "queued-least-latency");
+    assert_eq!(
+        spec.label(),
+        "queued-least-latency:score=ewma,ramp_up_factor=3,config.queue_shed_ratio=0"
+    );
+    let toml = spec.config_toml();
+    assert!(
+        toml.starts_with("queue_shed_ratio = 0\n[strategy]\n"),
+        "{toml}"
+    );
+    assert!(toml.contains("name = \"queued-least-latency\""), "{toml}");
+    assert!(toml.contains("score = \"ewma\""), "{toml}");
+    assert!(toml.contains("ramp_up_factor = 3\n"), "{toml}");
+    assert_eq!(
+        StrategySpec::parse("round-robin").unwrap().label(),
+        "round-robin"
+    );
+    let error = StrategySpec::parse("round-robin:oops")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("KEY=VALUE"), "{error}");
+    let error = lab::peer_specs(&["no-such:score=ewma".to_owned()], None)
+        .expect_err("unknown strategy")
+        .to_string();
+    assert!(error.contains("no-such"), "{error}");
 }

@@ -62,13 +62,29 @@ async fn stream_answer(mut lease: Lease, ttfb: Duration, rest: Duration, bytes: 
     advance(ttfb).await;
     lease.mark_first_byte();
     advance(rest).await;
-    lease.finish(Finish {
+    lease.finish(ok(bytes));
+    settle().await;
+}
+
+/// One lease on each of two idle backends, the one on `first` first.
+async fn one_lease_each(balancer: &Arc<Balancer>, first: &str) -> (Lease, Lease) {
+    let one = admit_now(balancer).await;
+    let other = admit_now(balancer).await;
+    if addr(&one) == first {
+        (one, other)
+    } else {
+        (other, one)
+    }
+}
+
+/// A successful answer of `bytes` bytes.
+fn ok(bytes: u64) -> Finish {
+    Finish {
         status: Some(StatusCode::OK),
         error: None,
         retry_after: None,
         bytes,
-    });
-    settle().await;
+    }
 }
 
 fn addr(lease: &Lease) -> String {
@@ -79,13 +95,7 @@ fn addr(lease: &Lease) -> String {
 async fn cost_is_normalised_by_answer_size() {
     let balancer = balancer();
     with_backends(&balancer, &["long:1", "short:1"]);
-    let first = admit_now(&balancer).await;
-    let second = admit_now(&balancer).await;
-    let (long, short) = if addr(&first) == "long:1" {
-        (first, second)
-    } else {
-        (second, first)
-    };
+    let (long, short) = one_lease_each(&balancer, "long:1").await;
     // `long` took 4 s for 64 KiB (62 ms per KiB); `short` 0.5 s for 1 KiB (500 ms per KiB).
     let long_task = tokio::spawn(stream_answer(
         long,
@@ -175,13 +185,7 @@ async fn the_limit_grows_while_ttfb_stays_near_its_baseline_and_shrinks_when_it_
 async fn a_failing_replica_is_ranked_last() {
     let balancer = balancer();
     with_backends(&balancer, &["bad:1", "good:1"]);
-    let first = admit_now(&balancer).await;
-    let second = admit_now(&balancer).await;
-    let (bad, good) = if addr(&first) == "bad:1" {
-        (first, second)
-    } else {
-        (second, first)
-    };
+    let (bad, good) = one_lease_each(&balancer, "bad:1").await;
     advance(Duration::from_millis(1)).await;
     bad.finish(Finish {
         status: Some(StatusCode::INTERNAL_SERVER_ERROR),
@@ -204,4 +208,68 @@ async fn a_failing_replica_is_ranked_last() {
         assert_eq!(addr(&lease), "good:1");
         std::mem::forget(lease);
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn replicas_compare_on_equal_terms_whatever_kind_of_answers_they_served() {
+    let balancer = balancer();
+    with_backends(&balancer, &["streams:1", "whole:1"]);
+    let (streams, whole) = one_lease_each(&balancer, "streams:1").await;
+    // Equally fast replicas: 2 s each for the same answer, one as events (20 KiB), the other
+    // as one JSON document (512 bytes). Per KiB, the stream looks 40× cheaper.
+    let stream_task = tokio::spawn(stream_answer(
+        streams,
+        Duration::from_millis(20),
+        Duration::from_millis(1980),
+        20 * 1024,
+    ));
+    advance(Duration::from_secs(2)).await;
+    whole.finish(ok(512));
+    settle().await;
+    stream_task.await.unwrap();
+    // Each is the fleet's only measure of its kind: equal relative cost, so the load decides.
+    let held = admit_now(&balancer).await;
+    let next = admit_now(&balancer).await;
+    assert_ne!(
+        addr(&held),
+        addr(&next),
+        "the second request goes to the idle replica"
+    );
+}
+
+/// Finishes `count` whole (not streamed) answers of 100 ms on the balancer's only backend.
+async fn whole_answers(balancer: &Arc<Balancer>, count: usize) {
+    for _ in 0..count {
+        let lease = admit_now(balancer).await;
+        advance(Duration::from_millis(100)).await;
+        lease.finish(ok(512));
+        settle().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn once_streams_have_set_a_baseline_whole_answers_leave_the_limit_alone() {
+    // A replica that never streamed: whole answers are no sign of congestion, the limit grows.
+    let balancer = balancer();
+    with_backends(&balancer, &["a:1"]);
+    whole_answers(&balancer, 20).await;
+    let grown = admit_while_room(&balancer, 51).await.len();
+    assert!(grown > 5, "limit stayed at {grown}");
+
+    // A replica whose streams measured its queueing: only streams move its limit.
+    let balancer = self::balancer();
+    with_backends(&balancer, &["a:1"]);
+    let probe = admit_now(&balancer).await;
+    stream_answer(
+        probe,
+        Duration::from_millis(20),
+        Duration::from_millis(80),
+        2048,
+    )
+    .await;
+    let before = admit_while_room(&balancer, 51).await.len();
+    whole_answers(&balancer, 20).await;
+    let after = admit_while_room(&balancer, 51).await.len();
+    assert!(before <= 5, "{before}");
+    assert_eq!(after, before, "whole answers moved the limit");
 }

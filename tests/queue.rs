@@ -369,3 +369,86 @@ async fn completed_is_capped_at_two_fifths_of_the_queue_size() {
     }
     assert_eq!(backends[0].completed(), 4);
 }
+
+/// Measures the only backend with one 1 s answer, then fills it to its ramp-up room
+/// (5 × 1 completed): returns the five leases in flight.
+async fn five_in_flight_at_one_second(balancer: &Arc<Balancer>) -> Vec<Lease> {
+    let first = admit_now(balancer).await;
+    finish_after(first, Duration::from_secs(1)).await;
+    let mut leases = Vec::new();
+    for _ in 0..5 {
+        leases.push(admit_now(balancer).await);
+    }
+    leases
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queue_of_ratio_times_the_in_flight_requests_sheds_new_ones_at_once() {
+    let balancer = balancer(|c| c.queue_shed_ratio = 2.0);
+    with_backends(&balancer, &["a:1"]);
+    let mut leases = five_in_flight_at_one_second(&balancer).await;
+    // 2 × 5 in flight: ten may wait.
+    let mut waiting = Vec::new();
+    for _ in 0..10 {
+        waiting.push(admit_later(&balancer).await);
+    }
+    assert_eq!(balancer.queue_depth(), 10);
+    assert!(waiting.iter().all(|task| !task.is_finished()));
+
+    // The eleventh would wait ten requests / (5 in flight / 1 s) = 2 s: answered at once.
+    let shed = tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default()))
+        .await
+        .expect("answered without waiting");
+    assert_eq!(shed.unwrap_err(), Rejection::Overloaded(2));
+    assert_eq!(Rejection::Overloaded(2).retry_after(), 2);
+    assert_eq!(balancer.queue_depth(), 10);
+    assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 1.0);
+
+    // A finish lets waiters go (more ramp-up room too): the queue is below the bound again and
+    // takes a newcomer.
+    finish_after(leases.pop().unwrap(), Duration::from_secs(1)).await;
+    let depth = balancer.queue_depth();
+    assert!(depth < 10, "{depth}");
+    let newcomer = admit_later(&balancer).await;
+    assert!(!newcomer.is_finished());
+    assert_eq!(balancer.queue_depth(), depth + 1);
+    assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn nothing_is_shed_while_a_backend_has_no_latency_yet() {
+    let balancer = balancer(|c| c.queue_shed_ratio = 2.0);
+    with_backends(&balancer, &["a:1"]);
+    // A burst on a backend never measured: one probe in flight, the rest wait for its answer.
+    let probe = admit_now(&balancer).await;
+    let mut waiting = Vec::new();
+    for _ in 0..30 {
+        waiting.push(admit_later(&balancer).await);
+    }
+    assert_eq!(balancer.queue_depth(), 30);
+    assert!(waiting.iter().all(|task| !task.is_finished()));
+    // Once measured (5 may be in flight after one answer), the queue is far above 2 × in
+    // flight: newcomers are shed, and the waiters keep their places.
+    finish_after(probe, Duration::from_secs(1)).await;
+    assert_eq!(balancer.queue_depth(), 25);
+    let shed = tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default()))
+        .await
+        .expect("answered without waiting");
+    assert!(matches!(shed, Err(Rejection::Overloaded(_))), "{shed:?}");
+    assert_eq!(balancer.queue_depth(), 25);
+    assert_eq!(waiting.iter().filter(|task| task.is_finished()).count(), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ratio_of_zero_never_sheds() {
+    let balancer = balancer(|c| c.queue_shed_ratio = 0.0);
+    with_backends(&balancer, &["a:1"]);
+    let _leases = five_in_flight_at_one_second(&balancer).await;
+    let mut waiting = Vec::new();
+    for _ in 0..100 {
+        waiting.push(admit_later(&balancer).await);
+    }
+    assert_eq!(balancer.queue_depth(), 100);
+    assert!(waiting.iter().all(|task| !task.is_finished()));
+    assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 0.0);
+}

@@ -25,7 +25,10 @@ use std::time::Duration;
 use custom_router::strategies::REGISTRY;
 
 use self::nginx::Balance;
-use self::peer::PeerSpec;
+use self::peer::{PeerSpec, StrategySpec};
+
+/// The reference implementation's rules, run beside the registered strategies by default.
+pub const REFERENCE_RULES: &str = "queued-least-latency:score=ewma";
 use self::report::SuiteReport;
 use self::scenarios::{Kind, PeerOutcome, RunContext, Scenario};
 
@@ -177,18 +180,24 @@ pub fn selected_scenarios(names: &[String]) -> Result<Vec<Scenario>, LabError> {
         .collect())
 }
 
-/// Every registered strategy (or those in `names`), then nginx round-robin and least_conn.
+/// Every registered strategy and the reference rules (`queued-least-latency:score=ewma`), or the
+/// strategies in `names`; then nginx round-robin and least_conn.
 pub fn peer_specs(names: &[String], nginx: Option<&Path>) -> Result<Vec<PeerSpec>, LabError> {
+    let mut specs = Vec::new();
     for name in names {
-        if !REGISTRY.iter().any(|entry| entry.name == name) {
-            return Err(LabError::new(format!("unknown strategy {name:?}")));
+        let spec = StrategySpec::parse(name)?;
+        if !REGISTRY.iter().any(|entry| entry.name == spec.name) {
+            return Err(LabError::new(format!("unknown strategy {:?}", spec.name)));
         }
+        specs.push(spec);
     }
-    let mut peers: Vec<PeerSpec> = REGISTRY
-        .iter()
-        .filter(|entry| names.is_empty() || names.iter().any(|n| n == entry.name))
-        .map(|entry| PeerSpec::Strategy(entry.name.to_owned()))
-        .collect();
+    if names.is_empty() {
+        for entry in REGISTRY {
+            specs.push(StrategySpec::parse(entry.name)?);
+        }
+        specs.push(StrategySpec::parse(REFERENCE_RULES)?);
+    }
+    let mut peers: Vec<PeerSpec> = specs.into_iter().map(PeerSpec::Strategy).collect();
     if let Some(binary) = nginx {
         for balance in [Balance::RoundRobin, Balance::LeastConn] {
             peers.push(PeerSpec::Nginx {

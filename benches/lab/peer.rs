@@ -15,8 +15,8 @@ use super::router::{ProcessUsage, RouterProcess};
 /// One column of the comparison.
 #[derive(Debug, Clone)]
 pub enum PeerSpec {
-    /// The router binary with `CUSTOM_ROUTER_STRATEGY` set to this registry name.
-    Strategy(String),
+    /// The router binary running a registered strategy, with strategy parameters when given.
+    Strategy(StrategySpec),
     /// nginx from this executable with this balancing method.
     Nginx { binary: PathBuf, balance: Balance },
 }
@@ -25,7 +25,7 @@ impl PeerSpec {
     /// The name shown in reports.
     pub fn name(&self) -> String {
         match self {
-            PeerSpec::Strategy(name) => name.clone(),
+            PeerSpec::Strategy(spec) => spec.label(),
             PeerSpec::Nginx {
                 balance: Balance::RoundRobin,
                 ..
@@ -45,11 +45,26 @@ impl PeerSpec {
         backends: &[String],
     ) -> Result<RunningPeer, LabError> {
         match self {
-            PeerSpec::Strategy(strategy) => {
+            PeerSpec::Strategy(spec) => {
                 let binary = router_binary.to_owned();
-                let strategy = strategy.clone();
+                let strategy = spec.name.clone();
+                let mut env = Vec::new();
+                if !spec.params.is_empty() {
+                    let dir = work_dir.join(self.name());
+                    std::fs::create_dir_all(&dir).map_err(|e| {
+                        LabError::new(format!("cannot create {}: {e}", dir.display()))
+                    })?;
+                    let file = dir.join("router.toml");
+                    std::fs::write(&file, spec.config_toml()).map_err(|e| {
+                        LabError::new(format!("cannot write {}: {e}", file.display()))
+                    })?;
+                    env.push((
+                        "CUSTOM_ROUTER_CONFIG".to_owned(),
+                        file.display().to_string(),
+                    ));
+                }
                 let router = tokio::task::spawn_blocking(move || {
-                    RouterProcess::start(&binary, &strategy, &[])
+                    RouterProcess::start(&binary, &strategy, &env)
                 })
                 .await
                 .map_err(|e| LabError::new(e.to_string()))??;
@@ -63,6 +78,82 @@ impl PeerSpec {
                 Ok(RunningPeer::Nginx(nginx))
             }
         }
+    }
+}
+
+/// A registered strategy and the parameters it runs with: `NAME` or `NAME:KEY=VALUE,...`
+/// (for example `queued-least-latency:score=ewma`). A key `config.KEY` sets the router's
+/// top-level key `KEY` instead (for example `config.queue_shed_ratio=0`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StrategySpec {
+    /// Registry name.
+    pub name: String,
+    /// `[strategy.params]` entries, in the order given; values are TOML (a bare word is a
+    /// string).
+    pub params: Vec<(String, String)>,
+}
+
+impl StrategySpec {
+    /// Parses `NAME` or `NAME:KEY=VALUE,...`.
+    pub fn parse(spec: &str) -> Result<Self, LabError> {
+        let (name, params) = match spec.split_once(':') {
+            Some((name, params)) => (name, params),
+            None => (spec, ""),
+        };
+        let params = params
+            .split(',')
+            .filter(|pair| !pair.is_empty())
+            .map(|pair| {
+                pair.split_once('=')
+                    .filter(|(key, value)| !key.is_empty() && !value.is_empty())
+                    .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
+                    .ok_or_else(|| {
+                        LabError::new(format!(
+                            "strategy {spec:?}: expected KEY=VALUE after the name, found {pair:?}"
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            name: name.to_owned(),
+            params,
+        })
+    }
+
+    /// The name shown in reports: the spec as given.
+    pub fn label(&self) -> String {
+        if self.params.is_empty() {
+            return self.name.clone();
+        }
+        let params: Vec<String> = self
+            .params
+            .iter()
+            .map(|(key, value)| format!("{key}={value}"))
+            .collect();
+        format!("{}:{}", self.name, params.join(","))
+    }
+
+    /// The router's configuration file for this spec.
+    pub fn config_toml(&self) -> String {
+        let literal = |value: &String| {
+            if value.parse::<f64>().is_ok() || value == "true" || value == "false" {
+                value.clone()
+            } else {
+                format!("{value:?}")
+            }
+        };
+        let mut top = String::new();
+        let mut params = String::new();
+        for (key, value) in &self.params {
+            match key.strip_prefix("config.") {
+                Some(key) => top.push_str(&format!("{key} = {}\n", literal(value))),
+                None => params.push_str(&format!("{key} = {}\n", literal(value))),
+            }
+        }
+        format!(
+            "{top}[strategy]\nname = {:?}\n[strategy.params]\n{params}",
+            self.name
+        )
     }
 }
 

@@ -140,7 +140,8 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 
-/// Headers that apply to one connection only and are never forwarded.
+/// Headers that apply to one connection only and are never forwarded (`Connection` first; their
+/// lengths are listed in `remove_hop_by_hop`).
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     PROXY_CONNECTION,
@@ -184,24 +185,50 @@ fn tls_config(extra_ca_certs: &[CertificateDer<'static>]) -> rustls::ClientConfi
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names avoids eight hashed removals.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    // One pass over the names finds which are present (most messages carry none, responses
+    // often `Connection: keep-alive` alone): only those are removed, each with one hashed lookup.
+    let mut present = 0u16;
+    for name in headers.keys() {
+        // Lengths first: most names are ruled out without comparing them.
+        if !matches!(name.as_str().len(), 2 | 7 | 10 | 16 | 17 | 19) {
+            continue;
+        }
+        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << index;
+        }
+    }
+    if present == 0 {
         return;
     }
-    if headers.contains_key(header::CONNECTION) {
-        let named: Vec<HeaderName> = headers
+    if present & 1 != 0 {
+        // `HOP_BY_HOP[0]` is `Connection`: the headers it names go too. Those on the list are
+        // removed below if present; the others only when present (`close` names none).
+        let mut named: Vec<HeaderName> = Vec::new();
+        for token in headers
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|value| value.to_str().ok())
             .flat_map(|list| list.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-            .collect();
+            .map(str::trim)
+        {
+            let listed = HOP_BY_HOP.iter().any(|hop| {
+                let hop = hop.as_str();
+                hop.len() == token.len() && token.eq_ignore_ascii_case(hop)
+            });
+            if !listed && !token.is_empty() && headers.contains_key(token) {
+                if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+                    named.push(name);
+                }
+            }
+        }
         for name in named {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+    for (index, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << index) != 0 {
+            headers.remove(name);
+        }
     }
 }
 
@@ -623,6 +650,35 @@ mod tests {
         assert_eq!(names.len(), 2, "{names:?}");
         assert!(headers.contains_key("x-end-to-end"));
         assert!(headers.contains_key(header::AUTHORIZATION));
+
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, Upgrade, x-Gone, , x-absent"),
+        );
+        headers.append(header::CONNECTION, HeaderValue::from_static("x-other"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        headers.insert("x-gone", HeaderValue::from_static("1"));
+        headers.insert("x-other", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        remove_hop_by_hop(&mut headers);
+        let names: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["content-type"]);
+    }
+
+    #[test]
+    fn every_hop_by_hop_name_passes_the_length_filter() {
+        for hop in &HOP_BY_HOP {
+            let mut headers = HeaderMap::new();
+            headers.insert(hop.clone(), HeaderValue::from_static("x"));
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            remove_hop_by_hop(&mut headers);
+            assert_eq!(headers.len(), 1, "{hop}");
+        }
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Backends: their addresses and the statistics the core keeps for each.
+//! Backends: their addresses, the statistics the core keeps for each, and their idle
+//! keep-alive connections.
 //!
 //! A [`Backend`] is shared (`Arc`) between the current snapshot and every request leased to it, so
 //! a backend removed from the set still counts its in-flight requests down as they finish. A set
@@ -13,6 +14,8 @@ use std::sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
 
 use http::uri::{Authority, Scheme};
+
+use crate::pool::IdleConnections;
 
 /// Why a backend address was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -233,7 +236,8 @@ impl Availability {
 
 const NO_SAMPLE: u64 = u64::MAX;
 
-/// One backend and the statistics the core keeps for it. All counters are lock-free.
+/// One backend, the statistics the core keeps for it (all counters are lock-free) and its idle
+/// connections.
 #[derive(Debug)]
 pub struct Backend {
     id: u64,
@@ -246,6 +250,7 @@ pub struct Backend {
     consecutive_failures: AtomicU32,
     ejections_total: AtomicU64,
     availability: Mutex<Availability>,
+    connections: IdleConnections,
 }
 
 impl Backend {
@@ -266,7 +271,13 @@ impl Backend {
                 ramp_from: Some(Instant::now()),
                 ..Availability::default()
             }),
+            connections: IdleConnections::default(),
         }
+    }
+
+    /// Its idle keep-alive connections (plain-HTTP backends).
+    pub fn connections(&self) -> &IdleConnections {
+        &self.connections
     }
 
     /// A copy of its availability state.

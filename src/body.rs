@@ -2,9 +2,9 @@
 //!
 //! [`ObservedBody`] passes every frame through untouched (so an SSE event reaches the client as
 //! soon as the backend writes it) and finishes the request's [`Lease`] when the stream ends,
-//! fails or is dropped: end of stream records a latency sample; an upstream error records an I/O
-//! failure; a drop before the end (the client went away) records nothing but still releases the
-//! backend.
+//! fails or is dropped: end of stream records a latency sample (and puts a pooled keep-alive
+//! connection back); an upstream error records an I/O failure; a drop before the end (the client
+//! went away) records nothing but still releases the backend, and closes the connection.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -20,6 +20,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
+use crate::pool::Connection;
 
 /// What the router answers with: a proxied body or one it wrote itself.
 pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
@@ -31,6 +32,8 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: Incoming,
         lease: Option<Lease>,
+        // The pooled connection the body arrives on, put back once the body was read to its end.
+        connection: Option<Connection>,
         // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
         outcome: Finish,
     }
@@ -41,7 +44,7 @@ pin_project_lite::pin_project! {
             // Dropped before its end: the client left mid-response, so no sample is recorded and
             // the lease's own drop releases the backend.
             if this.inner.is_end_stream() {
-                finish(this.lease, *this.outcome);
+                finish_at_end(this.lease, this.connection, *this.outcome);
             }
         }
     }
@@ -54,17 +57,29 @@ fn finish(lease: &mut Option<Lease>, outcome: Finish) {
     }
 }
 
+/// The body was read to its end: puts the connection back on its backend's idle stack (before
+/// the lease lets a queued request go, so that request finds it), then finishes the lease.
+fn finish_at_end(lease: &mut Option<Lease>, connection: &mut Option<Connection>, outcome: Finish) {
+    if let (Some(lease), Some(connection)) = (lease.as_ref(), connection.take()) {
+        lease.backend().connections().put(connection);
+    }
+    finish(lease, outcome);
+}
+
 impl ObservedBody {
-    /// Wraps `inner`, finishing `lease` when it ends.
+    /// Wraps `inner`, finishing `lease` when it ends; `connection`, the pooled connection it
+    /// arrives on, goes back to the backend's idle connections if the body is read to its end.
     pub fn new(
         inner: Incoming,
         lease: Lease,
+        connection: Option<Connection>,
         status: StatusCode,
         retry_after: Option<Duration>,
     ) -> Self {
         Self {
             inner,
             lease: Some(lease),
+            connection,
             outcome: Finish {
                 status: Some(status),
                 error: None,
@@ -92,7 +107,7 @@ impl Body for ObservedBody {
                     this.outcome.bytes += data.len() as u64;
                 }
                 if this.inner.is_end_stream() {
-                    finish(this.lease, *this.outcome);
+                    finish_at_end(this.lease, this.connection, *this.outcome);
                 }
             }
             Some(Err(_)) => finish(
@@ -103,7 +118,7 @@ impl Body for ObservedBody {
                     ..*this.outcome
                 },
             ),
-            None => finish(this.lease, *this.outcome),
+            None => finish_at_end(this.lease, this.connection, *this.outcome),
         }
         Poll::Ready(frame)
     }

@@ -13,6 +13,7 @@ pub mod cidr;
 pub mod config;
 pub mod framing;
 pub mod metrics;
+pub mod pool;
 pub mod proxy;
 pub mod response;
 pub mod server;

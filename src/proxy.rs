@@ -5,8 +5,8 @@
 //! appended and `X-Forwarded-Proto` is set to `http`. The client's `Host` is kept (for HTTP/2
 //! clients, the `:authority`). A request body of at most `retry_body_limit` bytes is read into
 //! memory first (within a global budget, `max_buffered_bytes`) so it can be sent again; a larger
-//! one is streamed once. Responses are always streamed. Requests go out as HTTP/1.1 over a
-//! pooled keep-alive client.
+//! one is streamed once. Responses are always streamed. Requests go out as HTTP/1.1 over
+//! keep-alive connections ([`crate::pool`] for `http://` backends).
 
 use std::error::Error as _;
 use std::net::SocketAddr;
@@ -30,14 +30,15 @@ use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{ObservedBody, RequestBody, ResponseBody, UpstreamBody};
 use crate::metrics::RetryReason;
+use crate::pool::{self, Connection};
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
 
-/// The pooled HTTP/1.1 clients used for every backend: plain TCP for `http://` backends, and
-/// rustls for `https://` ones, built on first use (loading the system's CA certificates costs
-/// startup time and memory that plain-HTTP deployments need not pay).
+/// How requests reach backends over HTTP/1.1: `http://` backends over their own keep-alive
+/// connections ([`crate::pool`]), `https://` ones over a pooled rustls client built on first use
+/// (loading the system's CA certificates costs startup time and memory that plain-HTTP
+/// deployments need not pay).
 pub struct UpstreamClient {
-    http: Client<HttpConnector, UpstreamBody>,
     https: OnceLock<Client<HttpsConnector<HttpConnector>, UpstreamBody>>,
     connect_timeout: Duration,
     extra_ca_certs: Vec<CertificateDer<'static>>,
@@ -52,25 +53,68 @@ impl std::fmt::Debug for UpstreamClient {
 }
 
 impl UpstreamClient {
-    /// Sends `request` (absolute URI) over the client for its scheme.
-    pub fn request(
+    /// Sends `request` to `backend`. For an `http://` backend the request must be in origin
+    /// form with its `Host` set ([`UpstreamClient::request_for`] builds one); the answer then
+    /// comes with the pooled connection, to be put back once the response body has been read to
+    /// its end. For an `https://` backend the URI is made absolute here.
+    pub async fn send(
         &self,
-        request: Request<UpstreamBody>,
-    ) -> hyper_util::client::legacy::ResponseFuture {
-        if request.uri().scheme() == Some(&http::uri::Scheme::HTTPS) {
-            let https = self.https.get_or_init(|| {
-                let connector = HttpsConnectorBuilder::new()
-                    .with_tls_config(tls_config(&self.extra_ca_certs))
-                    .https_or_http()
-                    .enable_http1()
-                    .wrap_connector(http_connector(self.connect_timeout));
-                pooled(connector)
-            });
-            https.request(request)
-        } else {
-            self.http.request(request)
+        backend: &Arc<Backend>,
+        mut request: Request<UpstreamBody>,
+    ) -> Result<(Response<Incoming>, Option<Connection>), ErrorKind> {
+        let addr = backend.addr();
+        if !addr.is_https() {
+            let (response, connection) = pool::send(backend, request, self.connect_timeout).await?;
+            return Ok((response, Some(connection)));
+        }
+        let https = self.https.get_or_init(|| {
+            let connector = HttpsConnectorBuilder::new()
+                .with_tls_config(tls_config(&self.extra_ca_certs))
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http_connector(self.connect_timeout));
+            pooled(connector)
+        });
+        let path_and_query = request
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        *request.uri_mut() = absolute_uri(addr, path_and_query);
+        match https.request(request).await {
+            Ok(response) => Ok((response, None)),
+            Err(error) => Err(classify(&error)),
         }
     }
+
+    /// A bodiless `GET path` for `addr`, ready for [`UpstreamClient::send`].
+    pub fn get(addr: &BackendAddr, path: &str) -> Option<Request<UpstreamBody>> {
+        Request::get(path)
+            .header(header::HOST, host_value(addr))
+            .body(UpstreamBody::full(bytes::Bytes::new()))
+            .ok()
+    }
+}
+
+/// `scheme://authority/path` for `addr`.
+fn absolute_uri(addr: &BackendAddr, path_and_query: PathAndQuery) -> Uri {
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(addr.scheme());
+    parts.authority = Some(addr.authority().clone());
+    parts.path_and_query = Some(path_and_query);
+    Uri::from_parts(parts).expect("scheme, authority and path make an absolute URI")
+}
+
+/// The `Host` a request to `addr` carries when the client sent none: the host, and the port
+/// unless it is the scheme's default.
+fn host_value(addr: &BackendAddr) -> HeaderValue {
+    let authority = addr.authority();
+    let default_port = if addr.is_https() { 443 } else { 80 };
+    let text = match authority.port_u16() {
+        Some(port) if port != default_port => authority.as_str(),
+        _ => authority.host(),
+    };
+    HeaderValue::from_str(text).expect("an authority is a valid header value")
 }
 
 fn http_connector(connect_timeout: Duration) -> HttpConnector {
@@ -87,7 +131,7 @@ where
 {
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_idle_timeout(pool::IDLE_TIMEOUT)
         .build(connector)
 }
 
@@ -96,7 +140,8 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 
-/// Headers that apply to one connection only and are never forwarded.
+/// Headers that apply to one connection only and are never forwarded (`Connection` first; their
+/// lengths are listed in `remove_hop_by_hop`).
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     PROXY_CONNECTION,
@@ -108,14 +153,13 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::PROXY_AUTHORIZATION,
 ];
 
-/// Builds the upstream clients: keep-alive pools reaped in the background, `TCP_NODELAY`,
-/// connect timeout; TLS for `https://` backends trusting the system store plus `extra_ca_certs`.
+/// Builds the upstream client: keep-alive connections, `TCP_NODELAY`, connect timeout; TLS for
+/// `https://` backends trusting the system store plus `extra_ca_certs`.
 pub fn client(
     connect_timeout: Duration,
     extra_ca_certs: &[CertificateDer<'static>],
 ) -> UpstreamClient {
     UpstreamClient {
-        http: pooled(http_connector(connect_timeout)),
         https: OnceLock::new(),
         connect_timeout,
         extra_ca_certs: extra_ca_certs.to_vec(),
@@ -141,24 +185,50 @@ fn tls_config(extra_ca_certs: &[CertificateDer<'static>]) -> rustls::ClientConfi
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names avoids eight hashed removals.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    // One pass over the names finds which are present (most messages carry none, responses
+    // often `Connection: keep-alive` alone): only those are removed, each with one hashed lookup.
+    let mut present = 0u16;
+    for name in headers.keys() {
+        // Lengths first: most names are ruled out without comparing them.
+        if !matches!(name.as_str().len(), 2 | 7 | 10 | 16 | 17 | 19) {
+            continue;
+        }
+        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << index;
+        }
+    }
+    if present == 0 {
         return;
     }
-    if headers.contains_key(header::CONNECTION) {
-        let named: Vec<HeaderName> = headers
+    if present & 1 != 0 {
+        // `HOP_BY_HOP[0]` is `Connection`: the headers it names go too. Those on the list are
+        // removed below if present; the others only when present (`close` names none).
+        let mut named: Vec<HeaderName> = Vec::new();
+        for token in headers
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|value| value.to_str().ok())
             .flat_map(|list| list.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-            .collect();
+            .map(str::trim)
+        {
+            let listed = HOP_BY_HOP.iter().any(|hop| {
+                let hop = hop.as_str();
+                hop.len() == token.len() && token.eq_ignore_ascii_case(hop)
+            });
+            if !listed && !token.is_empty() && headers.contains_key(token) {
+                if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+                    named.push(name);
+                }
+            }
+        }
         for name in named {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+    for (index, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << index) != 0 {
+            headers.remove(name);
+        }
     }
 }
 
@@ -223,16 +293,20 @@ pub struct RequestHead {
     method: Method,
     path_and_query: PathAndQuery,
     headers: HeaderMap,
+    /// Whether `headers` has a `Host` (otherwise each attempt gets the backend's).
+    has_host: bool,
 }
 
 impl RequestHead {
     /// Prepares the head of a client request received from `client`.
     pub fn prepare(mut parts: http::request::Parts, client: &ForwardedFor) -> Self {
         remove_hop_by_hop(&mut parts.headers);
-        if !parts.headers.contains_key(header::HOST) {
+        let mut has_host = parts.headers.contains_key(header::HOST);
+        if !has_host {
             if let Some(authority) = parts.uri.authority() {
                 if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
                     parts.headers.insert(header::HOST, host);
+                    has_host = true;
                 }
             }
         }
@@ -249,25 +323,24 @@ impl RequestHead {
             method: parts.method,
             path_and_query,
             headers: parts.headers,
+            has_host,
         }
     }
 
-    /// The request for one attempt to `addr`. The headers are copied when another attempt may
-    /// follow, and moved into the last one.
+    /// The request for one attempt to `addr`: origin form (authority form for `CONNECT`) with
+    /// the backend's `Host` if the client sent none. The headers are copied when another
+    /// attempt may follow, and moved into the last one.
     fn request_to(
         &mut self,
         addr: &BackendAddr,
         body: UpstreamBody,
         last: bool,
     ) -> Request<UpstreamBody> {
-        let uri = Uri::from_parts({
-            let mut parts = http::uri::Parts::default();
-            parts.scheme = Some(addr.scheme());
-            parts.authority = Some(addr.authority().clone());
-            parts.path_and_query = Some(self.path_and_query.clone());
-            parts
-        })
-        .expect("scheme, authority and path make an absolute URI");
+        let uri = if self.method == Method::CONNECT && !addr.is_https() {
+            Uri::from(addr.authority().clone())
+        } else {
+            Uri::from(self.path_and_query.clone())
+        };
         let mut request = Request::new(body);
         *request.method_mut() = self.method.clone();
         *request.uri_mut() = uri;
@@ -277,6 +350,9 @@ impl RequestHead {
         } else {
             self.headers.clone()
         };
+        if !self.has_host && !addr.is_https() {
+            request.headers_mut().insert(header::HOST, host_value(addr));
+        }
         request
     }
 }
@@ -326,16 +402,16 @@ async fn attempt(
     may_retry_busy: bool,
     first_byte_timeout: Option<Duration>,
 ) -> Attempt {
-    let sent = client.request(request);
+    let sent = client.send(lease.backend(), request);
     let answer = match first_byte_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
-            Ok(answer) => answer.map_err(|error| classify(&error)),
+            Ok(answer) => answer,
             Err(_) => Err(ErrorKind::FirstByteTimeout),
         },
-        None => sent.await.map_err(|error| classify(&error)),
+        None => sent.await,
     };
     match answer {
-        Ok(upstream) => {
+        Ok((upstream, connection)) => {
             let (mut parts, body) = upstream.into_parts();
             let status = parts.status;
             let retry_after = retry_after(&parts.headers);
@@ -355,7 +431,7 @@ async fn attempt(
             if is_event_stream(&parts.headers) {
                 lease.mark_streamed();
             }
-            let body = ObservedBody::new(body, lease, status, retry_after);
+            let body = ObservedBody::new(body, lease, connection, status, retry_after);
             Attempt::Answer(Response::from_parts(parts, Either::Left(body)))
         }
         Err(kind) => {
@@ -574,6 +650,35 @@ mod tests {
         assert_eq!(names.len(), 2, "{names:?}");
         assert!(headers.contains_key("x-end-to-end"));
         assert!(headers.contains_key(header::AUTHORIZATION));
+
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, Upgrade, x-Gone, , x-absent"),
+        );
+        headers.append(header::CONNECTION, HeaderValue::from_static("x-other"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        headers.insert("x-gone", HeaderValue::from_static("1"));
+        headers.insert("x-other", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        remove_hop_by_hop(&mut headers);
+        let names: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["content-type"]);
+    }
+
+    #[test]
+    fn every_hop_by_hop_name_passes_the_length_filter() {
+        for hop in &HOP_BY_HOP {
+            let mut headers = HeaderMap::new();
+            headers.insert(hop.clone(), HeaderValue::from_static("x"));
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            remove_hop_by_hop(&mut headers);
+            assert_eq!(headers.len(), 1, "{hop}");
+        }
     }
 
     #[test]

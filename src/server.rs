@@ -22,6 +22,7 @@ use crate::body::ResponseBody;
 use crate::config::Settings;
 use crate::framing::Inspected;
 use crate::metrics::MetricsError;
+use crate::pool;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
 use crate::response;
 
@@ -153,6 +154,7 @@ impl Router {
             Arc::clone(&shared.balancer),
             settings.state_log_interval(),
         ));
+        let reaper = tokio::spawn(reap_idle_connections(Arc::clone(&shared.balancer)));
         acceptor.accept_until(shutdown).await;
         shared.balancer.start_draining();
         tracing::info!(
@@ -175,6 +177,7 @@ impl Router {
             Err(_) => tracing::warn!("shutdown timeout reached with connections still open"),
         }
         state_log.abort();
+        reaper.abort();
     }
 }
 
@@ -274,6 +277,19 @@ async fn route(
         return admin::handle(&shared.balancer, &shared.admin, request).await;
     }
     proxy::proxy(&shared.balancer, &shared.retry, request, client).await
+}
+
+/// Closes backend connections idle for longer than the idle timeout, a third of it apart.
+async fn reap_idle_connections(balancer: Arc<Balancer>) {
+    let every = pool::IDLE_TIMEOUT / 3;
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        for backend in balancer.backends().iter() {
+            backend.connections().reap(pool::IDLE_TIMEOUT);
+        }
+    }
 }
 
 async fn log_state_periodically(balancer: Arc<Balancer>, every: Duration) {

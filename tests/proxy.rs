@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -9,6 +11,7 @@ use common::*;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A backend that answers with a JSON echo of what it received.
 async fn echo_backend() -> FakeBackend {
@@ -321,4 +324,71 @@ async fn decision_headers_are_off_by_default_and_name_the_backend_when_on() {
         .parse()
         .unwrap();
     assert!(queued < 1000, "{queued}");
+}
+
+/// A backend that answers `200 ok` to every request (GET, no body) on raw HTTP/1.1 keep-alive
+/// connections, counting the connections it accepted; with `close_after` it closes each
+/// connection that long after answering, without saying so in the response.
+async fn counting_backend(close_after: Option<Duration>) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut received = Vec::new();
+                let mut buffer = [0u8; 4096];
+                loop {
+                    while let Some(end) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+                        received.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if stream.write_all(answer).await.is_err() {
+                            return;
+                        }
+                        if let Some(delay) = close_after {
+                            tokio::time::sleep(delay).await;
+                            return;
+                        }
+                    }
+                    match stream.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(read) => received.extend_from_slice(&buffer[..read]),
+                    }
+                }
+            });
+        }
+    });
+    (addr.to_string(), accepted)
+}
+
+#[tokio::test]
+async fn backend_connections_are_kept_alive_and_reused() {
+    let (backend, accepted) = counting_backend(None).await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend]).await;
+    for _ in 0..20 {
+        let (status, body) = get(&router.url("/generate")).await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "ok"));
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_connection_the_backend_closed_while_idle_is_not_used_again() {
+    let (backend, accepted) = counting_backend(Some(Duration::from_millis(20))).await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend]).await;
+    for _ in 0..5 {
+        let request = Request::post(router.url("/generate"))
+            .body(full("{}"))
+            .unwrap();
+        let (status, _, body) = send(request).await;
+        assert_eq!((status, &body[..]), (StatusCode::OK, &b"ok"[..]));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+    let backend = &router.balancer.backends()[0];
+    assert_eq!(backend.errors(custom_router::backend::ErrorKind::Io), 0);
 }

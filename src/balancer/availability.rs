@@ -18,13 +18,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Request, StatusCode};
+use http::StatusCode;
 use tokio::time::Instant;
 
 use super::{Balancer, Queue};
 use crate::backend::Backend;
-use crate::body::UpstreamBody;
+use crate::proxy::UpstreamClient;
 
 /// How an attempt's outcome bears on the backend's availability.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -214,21 +213,20 @@ impl Balancer {
         });
     }
 
-    async fn probe(&self, backend: &Backend) -> bool {
+    async fn probe(&self, backend: &Arc<Backend>) -> bool {
         let Some(path) = &self.tuning.health_check_path else {
             return true;
         };
         let addr = backend.addr();
-        let uri = format!("{}://{}{}", addr.scheme(), addr.authority(), path);
-        let Ok(request) = Request::get(uri).body(UpstreamBody::full(Bytes::new())) else {
+        let Some(request) = UpstreamClient::get(addr, path) else {
             return false;
         };
         let answer = tokio::time::timeout(
             self.tuning.health_check_timeout,
-            self.client.request(request),
+            self.client.send(backend, request),
         )
         .await;
-        let passed = matches!(&answer, Ok(Ok(response)) if response.status().is_success());
+        let passed = matches!(&answer, Ok(Ok((response, _))) if response.status().is_success());
         tracing::info!(backend = %addr, passed, "readmission probe");
         passed
     }

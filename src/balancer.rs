@@ -128,6 +128,8 @@ pub struct Balancer {
     strategy: Arc<dyn Strategy>,
     queue: Mutex<Queue>,
     queue_depth: Arc<AtomicUsize>,
+    /// Leases held, on any backend (those of removed backends included).
+    leased: AtomicUsize,
     tuning: Tuning,
     metrics: Metrics,
     client: UpstreamClient,
@@ -159,6 +161,7 @@ impl Balancer {
             strategy: Arc::clone(&settings.strategy),
             queue: Mutex::new(Queue::default()),
             queue_depth,
+            leased: AtomicUsize::new(0),
             tuning: Tuning {
                 queue_max_size: config.queue_max_size,
                 queue_timeout: settings.queue_timeout(),
@@ -364,7 +367,11 @@ impl Balancer {
     fn overloaded_locked(&self, queue: &Queue) -> Option<u32> {
         let ratio = self.tuning.queue_shed_ratio;
         let queued = queue.waiters.len();
-        if ratio <= 0.0 || queued == 0 {
+        // Cheap test first: the backends' in-flight counts add up to at most the leases held.
+        if ratio <= 0.0
+            || queued == 0
+            || (queued as f64) < ratio * self.leased.load(Ordering::Relaxed) as f64
+        {
             return None;
         }
         let backends = self.backends.load();
@@ -594,6 +601,7 @@ impl std::fmt::Debug for Lease {
 impl Lease {
     fn new(balancer: &Arc<Balancer>, backend: Arc<Backend>) -> Self {
         backend.acquire();
+        balancer.leased.fetch_add(1, Ordering::Relaxed);
         Self {
             balancer: Arc::clone(balancer),
             backend,
@@ -663,6 +671,7 @@ impl Lease {
 
     fn release_locked(mut self) {
         self.backend.release();
+        self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
         self.released = true;
     }
 }
@@ -671,6 +680,7 @@ impl Drop for Lease {
     fn drop(&mut self) {
         if !self.released {
             self.backend.release();
+            self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
             self.balancer.capacity_freed();
         }
     }

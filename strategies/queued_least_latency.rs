@@ -182,27 +182,94 @@ impl KindCost {
 }
 
 /// What the load score learns about one backend.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Learned {
-    /// Cost of streamed and of whole answers.
-    kinds: [KindCost; 2],
+    /// Cost of streamed and of whole answers (boxed: not read by a pick, and a pick over many
+    /// backends reads fewer cache lines without it).
+    kinds: Box<[KindCost; 2]>,
     /// Lowest recent time to first byte, in seconds.
     ttfb_baseline: Option<f64>,
     /// Concurrency limit.
     limit: f64,
+    /// Which kinds have a cost: bit [`STREAMED`], bit [`WHOLE`].
+    coverage: usize,
+    /// The costs of those kinds combined: the one cost, or the geometric mean of both.
+    own: f64,
+}
+
+impl Learned {
+    fn new(limit: f64) -> Self {
+        Self {
+            kinds: Box::default(),
+            ttfb_baseline: None,
+            limit,
+            coverage: 0,
+            own: 1.0,
+        }
+    }
+
+    /// Recomputes `coverage` and `own` after a cost changed (not on the pick path); returns the
+    /// coverage before and after.
+    fn combine(&mut self) -> (usize, usize) {
+        let before = self.coverage;
+        match (self.kinds[STREAMED].cost(), self.kinds[WHOLE].cost()) {
+            (Some(streamed), Some(whole)) => {
+                self.coverage = 3;
+                self.own = (streamed * whole).sqrt();
+            }
+            (Some(cost), None) => {
+                self.coverage = 1 << STREAMED;
+                self.own = cost;
+            }
+            (None, Some(cost)) => {
+                self.coverage = 1 << WHOLE;
+                self.own = cost;
+            }
+            (None, None) => {
+                self.coverage = 0;
+                self.own = 1.0;
+            }
+        }
+        (before, self.coverage)
+    }
 }
 
 /// Sum and count of the backends' costs, per kind, for the fleet's mean.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Fleet {
     sum: [f64; 2],
     count: [u32; 2],
+    /// By coverage: what a backend's `own` cost is multiplied by to make it relative (1 over the
+    /// mean, or over the geometric mean of both means), kept up to date so a pick multiplies once.
+    factor: [f64; 4],
+    /// Backends learned, and how many of them have each coverage.
+    entries: u32,
+    covered: [u32; 4],
+    /// When every backend has the same coverage, the factor is common to all and only the
+    /// ordering of scores matters: a pick then uses `own` as it is, and this for a backend with
+    /// nothing learned (the fleet's mean, i.e. a relative cost of 1).
+    common: Option<f64>,
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Self {
+            sum: [0.0; 2],
+            count: [0; 2],
+            factor: [1.0; 4],
+            entries: 0,
+            covered: [0; 4],
+            common: Some(1.0),
+        }
+    }
 }
 
 impl Fleet {
     fn of(map: &HashMap<u64, Learned, BuildHasherDefault<IdHasher>>) -> Self {
         let mut fleet = Fleet::default();
         for learned in map.values() {
+            fleet.entries += 1;
+            fleet.covered[learned.coverage] += 1;
             for (kind, cost) in learned.kinds.iter().enumerate() {
                 if let Some(cost) = cost.cost() {
                     fleet.sum[kind] += cost;
@@ -210,7 +277,55 @@ impl Fleet {
                 }
             }
         }
+        fleet.refresh();
         fleet
+    }
+
+    fn mean(&self, kind: usize) -> f64 {
+        let mean = self.sum[kind] / f64::from(self.count[kind].max(1));
+        if mean > 0.0 { mean } else { 1.0 }
+    }
+
+    fn refresh(&mut self) {
+        let streamed = self.mean(STREAMED);
+        let whole = self.mean(WHOLE);
+        self.factor = [
+            1.0,
+            1.0 / streamed,
+            1.0 / whole,
+            1.0 / (streamed * whole).sqrt(),
+        ];
+        self.common = self
+            .covered
+            .iter()
+            .position(|&n| n == self.entries)
+            .map(|coverage| 1.0 / self.factor[coverage]);
+    }
+
+    /// A backend was learned for the first time.
+    fn add_entry(&mut self) {
+        self.entries += 1;
+        self.covered[0] += 1;
+        self.refresh();
+    }
+
+    /// A backend's coverage changed from `before` to `after`.
+    fn recover(&mut self, (before, after): (usize, usize)) {
+        if before != after {
+            self.covered[before] -= 1;
+            self.covered[after] += 1;
+            self.refresh();
+        }
+    }
+
+    /// What ranks a backend: its relative cost, or a number in the same order (see `common`).
+    fn rank_cost(&self, learned: Option<&Learned>) -> f64 {
+        match (self.common, learned) {
+            (Some(_), Some(learned)) => learned.own,
+            (Some(mean), None) => mean,
+            (None, Some(learned)) => self.relative(learned),
+            (None, None) => 1.0,
+        }
     }
 
     /// Replaces one backend's `old` cost of `kind` with `new`.
@@ -223,26 +338,14 @@ impl Fleet {
             self.sum[kind] += new;
             self.count[kind] += 1;
         }
+        self.refresh();
     }
 
-    /// A backend's cost relative to the fleet's mean (1.0 when nothing compares).
+    /// A backend's cost relative to the fleet's mean: for each kind it has, its cost over the
+    /// fleet's mean cost of that kind; the geometric mean of both ratios when it has both; 1.0
+    /// when it has none.
     fn relative(&self, learned: &Learned) -> f64 {
-        let mut product = 1.0;
-        let mut kinds = 0;
-        for (kind, cost) in learned.kinds.iter().enumerate() {
-            if let Some(cost) = cost.cost() {
-                let mean = self.sum[kind] / f64::from(self.count[kind].max(1));
-                if mean > 0.0 {
-                    product *= cost / mean;
-                    kinds += 1;
-                }
-            }
-        }
-        match kinds {
-            0 => 1.0,
-            1 => product,
-            _ => product.sqrt(),
-        }
+        learned.own * self.factor[learned.coverage]
     }
 }
 
@@ -367,7 +470,7 @@ impl QueuedLeastLatency {
         }
         let state = learned.map.get(&backend.id());
         let limit = state.map_or(self.initial_limit, |s| s.limit);
-        let cost = state.map_or(1.0, |s| learned.fleet.relative(s));
+        let cost = learned.fleet.rank_cost(state);
         let room =
             in_flight == 0 || ((in_flight as f64) < limit && self.ramp_room(backend, in_flight));
         room.then_some(cost * (in_flight + 1) as f64)
@@ -384,10 +487,9 @@ impl QueuedLeastLatency {
     fn learn(&self, backend: &Backend, outcome: &Outcome) {
         let mut guard = self.learned();
         let LearnedMap { map, fleet } = &mut *guard;
-        let state = map.entry(backend.id()).or_insert(Learned {
-            kinds: [KindCost::default(); 2],
-            ttfb_baseline: None,
-            limit: self.initial_limit,
+        let state = map.entry(backend.id()).or_insert_with(|| {
+            fleet.add_entry();
+            Learned::new(self.initial_limit)
         });
         if outcome.failed {
             for (kind, cost) in state.kinds.iter_mut().enumerate() {
@@ -395,6 +497,7 @@ impl QueuedLeastLatency {
                 cost.record(self.latency_threshold.max(outcome.latency), 1.0);
                 fleet.replace(kind, old, cost.cost());
             }
+            fleet.recover(state.combine());
             return;
         }
         let kind = if outcome.streamed { STREAMED } else { WHOLE };
@@ -405,6 +508,7 @@ impl QueuedLeastLatency {
             (outcome.bytes as f64 / 1024.0).max(MIN_KIB),
         );
         fleet.replace(kind, old, cost.cost());
+        fleet.recover(state.combine());
         // Only a stream's first byte measures queueing; a whole answer's first byte comes with
         // its end. Once streams have set a baseline they alone move the limit; on a replica
         // that never streamed, a whole answer counts as no sign of congestion.
@@ -600,6 +704,63 @@ mod tests {
             counts[*index] += 1;
         }
         assert_eq!(counts, [2, 0, 2, 2], "ties rotate: {picks:?}");
+    }
+
+    #[test]
+    fn relative_cost_is_the_geometric_mean_of_the_ratios_to_the_fleet_means() {
+        let mut map = HashMap::default();
+        // a: streamed 0.1 s/KiB, whole 2 s/KiB; b: streamed 0.3 s/KiB only; c: nothing yet.
+        let mut a = Learned::new(4.0);
+        a.kinds[STREAMED].record(1.0, 10.0);
+        a.kinds[WHOLE].record(1.0, 0.5);
+        a.combine();
+        let mut b = Learned::new(4.0);
+        b.kinds[STREAMED].record(3.0, 10.0);
+        b.combine();
+        let c = Learned::new(4.0);
+        map.insert(1, a.clone());
+        map.insert(2, b.clone());
+        map.insert(3, c.clone());
+        let fleet = Fleet::of(&map);
+        // Streamed mean 0.2, whole mean 2.0.
+        let expected_a = ((0.1 / 0.2) * (2.0 / 2.0_f64)).sqrt();
+        assert!((fleet.relative(&a) - expected_a).abs() < 1e-12);
+        assert!((fleet.relative(&b) - 1.5).abs() < 1e-12);
+        assert_eq!(fleet.relative(&c), 1.0);
+        // Incremental updates give the same fleet as a full recount.
+        let mut incremental = Fleet::default();
+        incremental.replace(STREAMED, None, Some(0.1));
+        incremental.replace(WHOLE, None, Some(2.0));
+        incremental.replace(STREAMED, None, Some(0.5));
+        incremental.replace(STREAMED, Some(0.5), Some(0.3));
+        assert!((incremental.relative(&b) - fleet.relative(&b)).abs() < 1e-12);
+        // Mixed coverage: picks rank by the relative cost itself.
+        assert_eq!(fleet.common, None);
+        assert_eq!(fleet.rank_cost(Some(&b)), fleet.relative(&b));
+        assert_eq!(fleet.rank_cost(None), 1.0);
+
+        // One coverage for all: ranking by `own` keeps the order of the relative costs, and a
+        // backend with nothing learned ranks as the mean.
+        let mut map = HashMap::default();
+        for (id, latency) in [(1, 1.0), (2, 3.0), (3, 2.0)] {
+            let mut learned = Learned::new(4.0);
+            learned.kinds[STREAMED].record(latency, 10.0);
+            learned.combine();
+            map.insert(id, learned);
+        }
+        let fleet = Fleet::of(&map);
+        assert!(fleet.common.is_some_and(|mean| (mean - 0.2).abs() < 1e-12));
+        let ranks: Vec<f64> = (1..=3).map(|id| fleet.rank_cost(map.get(&id))).collect();
+        let relatives: Vec<f64> = (1..=3).map(|id| fleet.relative(&map[&id])).collect();
+        assert!(
+            ranks
+                .iter()
+                .zip([0.1, 0.3, 0.2])
+                .all(|(rank, own)| (rank - own).abs() < 1e-12),
+            "{ranks:?}"
+        );
+        assert!((relatives[0] - 0.5).abs() < 1e-12 && (relatives[1] - 1.5).abs() < 1e-12);
+        assert!((fleet.rank_cost(None) - 0.2).abs() < 1e-12);
     }
 
     #[test]

@@ -181,38 +181,47 @@ impl KindCost {
     }
 }
 
-/// What the load score learns about one backend.
+/// What the load score learns about one backend. A pick reads `limit`, `own` and `coverage`
+/// only; the rest is boxed, so a pick over many backends reads less memory.
 #[derive(Debug, Clone)]
 struct Learned {
-    /// Cost of streamed and of whole answers (boxed: not read by a pick, and a pick over many
-    /// backends reads fewer cache lines without it).
-    kinds: Box<[KindCost; 2]>,
-    /// Lowest recent time to first byte, in seconds.
-    ttfb_baseline: Option<f64>,
     /// Concurrency limit.
     limit: f64,
-    /// Which kinds have a cost: bit [`STREAMED`], bit [`WHOLE`].
-    coverage: usize,
-    /// The costs of those kinds combined: the one cost, or the geometric mean of both.
+    /// The costs of the kinds it has: the one cost, or the geometric mean of both.
     own: f64,
+    /// Which kinds have a cost: bit [`STREAMED`], bit [`WHOLE`].
+    coverage: u8,
+    /// Costs and TTFB baseline.
+    history: Box<History>,
+}
+
+/// The part of [`Learned`] only `learn` reads.
+#[derive(Debug, Clone, Default)]
+struct History {
+    /// Cost of streamed and of whole answers.
+    kinds: [KindCost; 2],
+    /// Lowest recent time to first byte, in seconds.
+    ttfb_baseline: Option<f64>,
 }
 
 impl Learned {
     fn new(limit: f64) -> Self {
         Self {
-            kinds: Box::default(),
-            ttfb_baseline: None,
             limit,
-            coverage: 0,
             own: 1.0,
+            coverage: 0,
+            history: Box::default(),
         }
     }
 
     /// Recomputes `coverage` and `own` after a cost changed (not on the pick path); returns the
     /// coverage before and after.
     fn combine(&mut self) -> (usize, usize) {
-        let before = self.coverage;
-        match (self.kinds[STREAMED].cost(), self.kinds[WHOLE].cost()) {
+        let before = usize::from(self.coverage);
+        match (
+            self.history.kinds[STREAMED].cost(),
+            self.history.kinds[WHOLE].cost(),
+        ) {
             (Some(streamed), Some(whole)) => {
                 self.coverage = 3;
                 self.own = (streamed * whole).sqrt();
@@ -230,7 +239,7 @@ impl Learned {
                 self.own = 1.0;
             }
         }
-        (before, self.coverage)
+        (before, usize::from(self.coverage))
     }
 }
 
@@ -269,8 +278,8 @@ impl Fleet {
         let mut fleet = Fleet::default();
         for learned in map.values() {
             fleet.entries += 1;
-            fleet.covered[learned.coverage] += 1;
-            for (kind, cost) in learned.kinds.iter().enumerate() {
+            fleet.covered[usize::from(learned.coverage)] += 1;
+            for (kind, cost) in learned.history.kinds.iter().enumerate() {
                 if let Some(cost) = cost.cost() {
                     fleet.sum[kind] += cost;
                     fleet.count[kind] += 1;
@@ -345,7 +354,7 @@ impl Fleet {
     /// fleet's mean cost of that kind; the geometric mean of both ratios when it has both; 1.0
     /// when it has none.
     fn relative(&self, learned: &Learned) -> f64 {
-        learned.own * self.factor[learned.coverage]
+        learned.own * self.factor[usize::from(learned.coverage)]
     }
 }
 
@@ -463,14 +472,14 @@ impl QueuedLeastLatency {
     }
 
     /// The load score of `backend` if it is a candidate.
-    fn load_score(&self, backend: &Backend, learned: &LearnedMap) -> Option<f64> {
+    fn load_score(&self, backend: &Backend, learned: &LearnedMap, fleet: &Fleet) -> Option<f64> {
         let in_flight = backend.in_flight();
         if backend.ewma_latency().is_none() {
             return (in_flight == 0).then_some(0.0);
         }
         let state = learned.map.get(&backend.id());
         let limit = state.map_or(self.initial_limit, |s| s.limit);
-        let cost = learned.fleet.rank_cost(state);
+        let cost = fleet.rank_cost(state);
         let room =
             in_flight == 0 || ((in_flight as f64) < limit && self.ramp_room(backend, in_flight));
         room.then_some(cost * (in_flight + 1) as f64)
@@ -492,7 +501,7 @@ impl QueuedLeastLatency {
             Learned::new(self.initial_limit)
         });
         if outcome.failed {
-            for (kind, cost) in state.kinds.iter_mut().enumerate() {
+            for (kind, cost) in state.history.kinds.iter_mut().enumerate() {
                 let old = cost.cost();
                 cost.record(self.latency_threshold.max(outcome.latency), 1.0);
                 fleet.replace(kind, old, cost.cost());
@@ -501,7 +510,7 @@ impl QueuedLeastLatency {
             return;
         }
         let kind = if outcome.streamed { STREAMED } else { WHOLE };
-        let cost = &mut state.kinds[kind];
+        let cost = &mut state.history.kinds[kind];
         let old = cost.cost();
         cost.record(
             outcome.latency,
@@ -513,7 +522,7 @@ impl QueuedLeastLatency {
         // its end. Once streams have set a baseline they alone move the limit; on a replica
         // that never streamed, a whole answer counts as no sign of congestion.
         let Some(ttfb) = outcome.first_byte.filter(|_| outcome.streamed) else {
-            if state.ttfb_baseline.is_some() {
+            if state.history.ttfb_baseline.is_some() {
                 return;
             }
             state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
@@ -521,11 +530,11 @@ impl QueuedLeastLatency {
             .min(self.max_limit);
             return;
         };
-        let baseline = match state.ttfb_baseline {
+        let baseline = match state.history.ttfb_baseline {
             Some(old) if ttfb >= old => old + (ttfb - old) * BASELINE_DRIFT,
             _ => ttfb,
         };
-        state.ttfb_baseline = Some(baseline);
+        state.history.ttfb_baseline = Some(baseline);
         let tolerated = self.ttfb_tolerance * baseline + self.ttfb_slack;
         let gradient = (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0);
         let target = if gradient >= 1.0 {
@@ -591,7 +600,11 @@ impl Strategy for QueuedLeastLatency {
             Score::Ewma => self.best(candidates, |backend| self.score(backend)),
             Score::Load => {
                 let learned = self.learned();
-                self.best(candidates, |backend| self.load_score(backend, &learned))
+                // A copy the loop can keep in registers.
+                let fleet = learned.fleet;
+                self.best(candidates, |backend| {
+                    self.load_score(backend, &learned, &fleet)
+                })
             }
         }
     }
@@ -711,11 +724,11 @@ mod tests {
         let mut map = HashMap::default();
         // a: streamed 0.1 s/KiB, whole 2 s/KiB; b: streamed 0.3 s/KiB only; c: nothing yet.
         let mut a = Learned::new(4.0);
-        a.kinds[STREAMED].record(1.0, 10.0);
-        a.kinds[WHOLE].record(1.0, 0.5);
+        a.history.kinds[STREAMED].record(1.0, 10.0);
+        a.history.kinds[WHOLE].record(1.0, 0.5);
         a.combine();
         let mut b = Learned::new(4.0);
-        b.kinds[STREAMED].record(3.0, 10.0);
+        b.history.kinds[STREAMED].record(3.0, 10.0);
         b.combine();
         let c = Learned::new(4.0);
         map.insert(1, a.clone());
@@ -744,7 +757,7 @@ mod tests {
         let mut map = HashMap::default();
         for (id, latency) in [(1, 1.0), (2, 3.0), (3, 2.0)] {
             let mut learned = Learned::new(4.0);
-            learned.kinds[STREAMED].record(latency, 10.0);
+            learned.history.kinds[STREAMED].record(latency, 10.0);
             learned.combine();
             map.insert(id, learned);
         }

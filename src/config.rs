@@ -326,7 +326,7 @@ impl Default for Config {
             latency_threshold: 3.0,
             queue_max_size: 1000,
             queue_timeout: 1200.0,
-            queue_shed_ratio: 10.0,
+            queue_shed_ratio: 15.0,
             ewma_alpha: 0.3,
             state_log_interval: 30.0,
             shutdown_timeout: 30.0,

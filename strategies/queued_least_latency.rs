@@ -387,8 +387,10 @@ impl Hasher for IdHasher {
 }
 
 /// How fast a raised TTFB baseline catches up (per sample), so a replica that became slower for
-/// good is not judged against its old best forever.
-const BASELINE_DRIFT: f64 = 0.02;
+/// good is not judged against its old best forever. Slow on purpose: under sustained overload
+/// every TTFB is high, and a baseline that followed it would let the limit climb until the
+/// replicas' own queues overflow.
+const BASELINE_DRIFT: f64 = 0.002;
 /// Weight of a new limit estimate.
 const LIMIT_SMOOTHING: f64 = 0.2;
 

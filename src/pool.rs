@@ -62,13 +62,8 @@ impl IdleConnections {
     }
 
     /// Idle connections waiting.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.lock().len()
-    }
-
-    /// Whether no connection is waiting.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Puts back a connection whose last response was read to its end.
@@ -157,10 +152,9 @@ async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, Err
 /// be opened (nothing was sent), and [`ErrorKind::Io`] when the exchange failed.
 pub async fn send(
     backend: &Arc<Backend>,
-    request: Request<UpstreamBody>,
+    mut request: Request<UpstreamBody>,
     connect_timeout: Duration,
 ) -> Result<(Response<Incoming>, Connection), ErrorKind> {
-    let mut request = request;
     if let Some(mut connection) = checkout(backend) {
         match connection.try_send_request(request).await {
             Ok(response) => return Ok((response, connection)),

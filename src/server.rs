@@ -44,7 +44,7 @@ pub enum StartError {
 
 struct Shared {
     balancer: Arc<Balancer>,
-    retry: ProxyPolicy,
+    policy: ProxyPolicy,
     admin: AdminPolicy,
 }
 
@@ -87,7 +87,7 @@ impl Router {
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = Balancer::new(&settings)?;
         let config = &settings.config;
-        let retry = ProxyPolicy {
+        let policy = ProxyPolicy {
             max_attempts: config.max_attempts,
             body_limit: config.retry_body_limit,
             buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
@@ -97,7 +97,7 @@ impl Router {
         Ok(Self {
             shared: Arc::new(Shared {
                 balancer,
-                retry,
+                policy,
                 admin: AdminPolicy {
                     token: config.admin_token.clone(),
                     allowed_networks: settings.backend_allow_cidrs(),
@@ -276,7 +276,7 @@ async fn route(
     if admin::is_admin_path(request.uri().path()) {
         return admin::handle(&shared.balancer, &shared.admin, request).await;
     }
-    proxy::proxy(&shared.balancer, &shared.retry, request, client).await
+    proxy::proxy(&shared.balancer, &shared.policy, request, client).await
 }
 
 /// Closes backend connections idle for longer than the idle timeout, a third of it apart.

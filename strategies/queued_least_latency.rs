@@ -251,8 +251,7 @@ struct Fleet {
     /// By coverage: what a backend's `own` cost is multiplied by to make it relative (1 over the
     /// mean, or over the geometric mean of both means), kept up to date so a pick multiplies once.
     factor: [f64; 4],
-    /// Backends learned, and how many of them have each coverage.
-    entries: u32,
+    /// How many backends learned have each coverage.
     covered: [u32; 4],
     /// When every backend has the same coverage, the factor is common to all and only the
     /// ordering of scores matters: a pick then uses `own` as it is, and this for a backend with
@@ -266,7 +265,6 @@ impl Default for Fleet {
             sum: [0.0; 2],
             count: [0; 2],
             factor: [1.0; 4],
-            entries: 0,
             covered: [0; 4],
             common: Some(1.0),
         }
@@ -277,7 +275,6 @@ impl Fleet {
     fn of(map: &HashMap<u64, Learned, BuildHasherDefault<IdHasher>>) -> Self {
         let mut fleet = Fleet::default();
         for learned in map.values() {
-            fleet.entries += 1;
             fleet.covered[usize::from(learned.coverage)] += 1;
             for (kind, cost) in learned.history.kinds.iter().enumerate() {
                 if let Some(cost) = cost.cost() {
@@ -304,18 +301,17 @@ impl Fleet {
             1.0 / whole,
             1.0 / (streamed * whole).sqrt(),
         ];
+        let entries: u32 = self.covered.iter().sum();
         self.common = self
             .covered
             .iter()
-            .position(|&n| n == self.entries)
+            .position(|&n| n == entries)
             .map(|coverage| 1.0 / self.factor[coverage]);
     }
 
-    /// A backend was learned for the first time.
+    /// A backend was learned for the first time (its first cost follows, with a refresh).
     fn add_entry(&mut self) {
-        self.entries += 1;
         self.covered[0] += 1;
-        self.refresh();
     }
 
     /// A backend's coverage changed from `before` to `after`.

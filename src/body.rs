@@ -20,32 +20,82 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
-use crate::pool::Connection;
+use crate::h1::{Connection, ResponseStream};
 
 /// What the router answers with: a proxied body or one it wrote itself.
 pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
 
-pin_project_lite::pin_project! {
-    /// An upstream response body that finishes its lease at end of stream.
-    #[derive(Debug)]
-    pub struct ObservedBody {
-        #[pin]
-        inner: Incoming,
-        lease: Option<Lease>,
-        // The pooled connection the body arrives on, put back once the body was read to its end.
-        connection: Option<Connection>,
-        // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
-        outcome: Finish,
+/// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`]), or from
+/// the TLS client.
+#[derive(Debug)]
+pub enum BackendBody {
+    /// From a plain-HTTP backend; the connection comes back once the body was read to its end.
+    Pooled(ResponseStream),
+    /// From an `https://` backend.
+    Tls(Incoming),
+}
+
+impl BackendBody {
+    /// The pooled connection, once the body was read to its end and the connection is reusable.
+    fn take_connection(&mut self) -> Option<Connection> {
+        match self {
+            BackendBody::Pooled(stream) => stream.take_connection(),
+            BackendBody::Tls(_) => None,
+        }
+    }
+}
+
+impl Body for BackendBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            BackendBody::Pooled(stream) => Pin::new(stream)
+                .poll_frame(cx)
+                .map_err(|error| Box::new(error) as BoxError),
+            BackendBody::Tls(incoming) => Pin::new(incoming)
+                .poll_frame(cx)
+                .map_err(|error| Box::new(error) as BoxError),
+        }
     }
 
-    impl PinnedDrop for ObservedBody {
-        fn drop(this: Pin<&mut Self>) {
-            let this = this.project();
-            // Dropped before its end: the client left mid-response, so no sample is recorded and
-            // the lease's own drop releases the backend.
-            if this.inner.is_end_stream() {
-                finish_at_end(this.lease, this.connection, *this.outcome);
-            }
+    fn is_end_stream(&self) -> bool {
+        match self {
+            BackendBody::Pooled(stream) => stream.is_end_stream(),
+            BackendBody::Tls(incoming) => incoming.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            BackendBody::Pooled(stream) => stream.size_hint(),
+            BackendBody::Tls(incoming) => incoming.size_hint(),
+        }
+    }
+}
+
+/// A body error, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An upstream response body that finishes its lease at end of stream.
+#[derive(Debug)]
+pub struct ObservedBody {
+    inner: BackendBody,
+    lease: Option<Lease>,
+    // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
+    outcome: Finish,
+}
+
+impl Drop for ObservedBody {
+    fn drop(&mut self) {
+        // Dropped before its end: the client left mid-response, so no sample is recorded and
+        // the lease's own drop releases the backend.
+        if self.inner.is_end_stream() {
+            finish_at_end(&mut self.lease, &mut self.inner, self.outcome);
         }
     }
 }
@@ -59,27 +109,27 @@ fn finish(lease: &mut Option<Lease>, outcome: Finish) {
 
 /// The body was read to its end: puts the connection back on its backend's idle stack (before
 /// the lease lets a queued request go, so that request finds it), then finishes the lease.
-fn finish_at_end(lease: &mut Option<Lease>, connection: &mut Option<Connection>, outcome: Finish) {
-    if let (Some(lease), Some(connection)) = (lease.as_ref(), connection.take()) {
-        lease.backend().connections().put(connection);
+fn finish_at_end(lease: &mut Option<Lease>, body: &mut BackendBody, outcome: Finish) {
+    if let Some(lease) = lease.as_ref() {
+        if let Some(connection) = body.take_connection() {
+            lease.backend().connections().put(connection);
+        }
     }
     finish(lease, outcome);
 }
 
 impl ObservedBody {
-    /// Wraps `inner`, finishing `lease` when it ends; `connection`, the pooled connection it
-    /// arrives on, goes back to the backend's idle connections if the body is read to its end.
+    /// Wraps `inner`, finishing `lease` when it ends; a pooled connection goes back to the
+    /// backend's idle connections if the body is read to its end.
     pub fn new(
-        inner: Incoming,
+        inner: BackendBody,
         lease: Lease,
-        connection: Option<Connection>,
         status: StatusCode,
         retry_after: Option<Duration>,
     ) -> Self {
         Self {
             inner,
             lease: Some(lease),
-            connection,
             outcome: Finish {
                 status: Some(status),
                 error: None,
@@ -92,14 +142,14 @@ impl ObservedBody {
 
 impl Body for ObservedBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let mut this = self.project();
-        let frame = ready!(this.inner.as_mut().poll_frame(cx));
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
         match &frame {
             Some(Ok(frame)) => {
                 if let (Some(lease), Some(data)) = (this.lease.as_mut(), frame.data_ref()) {
@@ -107,18 +157,18 @@ impl Body for ObservedBody {
                     this.outcome.bytes += data.len() as u64;
                 }
                 if this.inner.is_end_stream() {
-                    finish_at_end(this.lease, this.connection, *this.outcome);
+                    finish_at_end(&mut this.lease, &mut this.inner, this.outcome);
                 }
             }
             Some(Err(_)) => finish(
-                this.lease,
+                &mut this.lease,
                 Finish {
                     error: Some(ErrorKind::Io),
                     retry_after: None,
-                    ..*this.outcome
+                    ..this.outcome
                 },
             ),
-            None => finish_at_end(this.lease, this.connection, *this.outcome),
+            None => finish_at_end(&mut this.lease, &mut this.inner, this.outcome),
         }
         Poll::Ready(frame)
     }
@@ -136,9 +186,10 @@ pin_project_lite::pin_project! {
     /// A request body sent to a backend: bytes kept in memory (replayable for a retry), or the
     /// client's body streamed through after the part already read.
     #[project = UpstreamBodyProjection]
+    #[derive(Debug)]
     pub enum UpstreamBody {
-        /// The whole body, in memory.
-        Full { #[pin] body: Full<Bytes> },
+        /// The whole body, in memory (`None` once sent).
+        Full { bytes: Option<Bytes> },
         /// What was read so far, then the rest as the client sends it.
         Streaming { prefix: Option<Bytes>, #[pin] rest: Incoming },
     }
@@ -147,9 +198,7 @@ pin_project_lite::pin_project! {
 impl UpstreamBody {
     /// A body of `bytes`.
     pub fn full(bytes: Bytes) -> Self {
-        UpstreamBody::Full {
-            body: Full::new(bytes),
-        }
+        UpstreamBody::Full { bytes: Some(bytes) }
     }
 }
 
@@ -162,9 +211,12 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.project() {
-            UpstreamBodyProjection::Full { body } => body
-                .poll_frame(cx)
-                .map(|frame| frame.map(|frame| frame.map_err(|never| match never {}))),
+            UpstreamBodyProjection::Full { bytes } => Poll::Ready(
+                bytes
+                    .take()
+                    .filter(|bytes| !bytes.is_empty())
+                    .map(|bytes| Ok(Frame::data(bytes))),
+            ),
             UpstreamBodyProjection::Streaming { prefix, rest } => match prefix.take() {
                 Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
                 None => rest.poll_frame(cx),
@@ -174,14 +226,16 @@ impl Body for UpstreamBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            UpstreamBody::Full { body } => body.is_end_stream(),
+            UpstreamBody::Full { bytes } => bytes.as_ref().is_none_or(Bytes::is_empty),
             UpstreamBody::Streaming { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            UpstreamBody::Full { body } => body.size_hint(),
+            UpstreamBody::Full { bytes } => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+            }
             UpstreamBody::Streaming { prefix, rest } => {
                 let read = prefix.as_ref().map_or(0, |p| p.len() as u64);
                 let rest = rest.size_hint();

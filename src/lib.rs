@@ -12,6 +12,7 @@ pub mod body;
 pub mod cidr;
 pub mod config;
 pub mod framing;
+pub mod h1;
 pub mod metrics;
 pub mod pool;
 pub mod proxy;

@@ -2,10 +2,11 @@
 //! backend.
 //!
 //! Each [`Backend`] owns its [`IdleConnections`]. A request takes the most recently used idle
-//! connection that is ready (closed ones are dropped on the way), or opens a new one: TCP connect
-//! under the connect timeout, `TCP_NODELAY`, HTTP/1.1 handshake, and the connection's task
-//! spawned. The connection goes back on the stack only once the response body has been read to
-//! its end ([`crate::body::ObservedBody`]); a response dropped early closes it. At most
+//! connection the backend has not closed (closed ones are dropped on the way), or opens a new
+//! one: TCP connect under the connect timeout and `TCP_NODELAY`. The exchange itself is
+//! [`crate::h1`]'s. The connection goes back on the stack only once the response body has been
+//! read to its end and the exchange left it reusable ([`crate::body::ObservedBody`]); a response
+//! dropped early closes it. At most
 //! [`MAX_IDLE_PER_BACKEND`] connections wait per backend (the oldest is closed beyond that), and
 //! one idle for [`IDLE_TIMEOUT`] is closed, at the next checkout or by the periodic reap.
 //!
@@ -13,27 +14,23 @@
 //! could not be handed to a reused connection, it is sent again on a new one.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use http::{Request, Response};
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, ErrorKind};
 use crate::body::UpstreamBody;
+pub use crate::h1::Connection;
+use crate::h1::{ResponseStream, SendError};
 
 /// Idle connections kept per backend; more are closed when they come back.
 pub const MAX_IDLE_PER_BACKEND: usize = 128;
 
 /// How long a connection may stay idle before it is closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-
-/// A connection to one backend, able to send one request at a time.
-pub type Connection = SendRequest<UpstreamBody>;
 
 struct Idle {
     connection: Connection,
@@ -66,11 +63,8 @@ impl IdleConnections {
         self.lock().len()
     }
 
-    /// Puts back a connection whose last response was read to its end.
+    /// Puts back a connection whose last exchange ended cleanly.
     pub fn put(&self, connection: Connection) {
-        if connection.is_closed() {
-            return;
-        }
         let since = Instant::now();
         let mut stack = self.lock();
         if stack.len() >= MAX_IDLE_PER_BACKEND {
@@ -86,39 +80,23 @@ impl IdleConnections {
             now.saturating_duration_since(idle.since) < timeout && !idle.connection.is_closed()
         });
     }
-}
 
-/// Takes the most recently used idle connection of `backend` that is ready for a request.
-///
-/// A connection still finishing its previous exchange (the response ended before the request
-/// body was sent) is set aside by a task that puts it back once it is ready.
-fn checkout(backend: &Arc<Backend>) -> Option<Connection> {
-    let pool = backend.connections();
-    let now = Instant::now();
-    let mut stack = pool.lock();
-    while let Some(idle) = stack.pop_back() {
-        if now.saturating_duration_since(idle.since) >= IDLE_TIMEOUT {
-            // The stack is ordered by age: everything below is older still.
-            stack.clear();
-            return None;
-        }
-        let mut connection = idle.connection;
-        if connection.is_ready() {
-            return Some(connection);
-        }
-        if connection.is_closed() {
-            continue;
-        }
-        let owner = Arc::downgrade(backend);
-        tokio::spawn(async move {
-            if connection.ready().await.is_ok() {
-                if let Some(backend) = Weak::upgrade(&owner) {
-                    backend.connections().put(connection);
-                }
+    /// Takes the most recently used idle connection the backend has not closed.
+    fn checkout(&self) -> Option<Connection> {
+        let now = Instant::now();
+        let mut stack = self.lock();
+        while let Some(idle) = stack.pop_back() {
+            if now.saturating_duration_since(idle.since) >= IDLE_TIMEOUT {
+                // The stack is ordered by age: everything below is older still.
+                stack.clear();
+                return None;
             }
-        });
+            if !idle.connection.is_closed() {
+                return Some(idle.connection);
+            }
+        }
+        None
     }
-    None
 }
 
 /// Opens a connection to `backend` within `timeout`.
@@ -133,20 +111,12 @@ async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, Err
         Err(_) => return Err(ErrorKind::ConnectTimeout),
     };
     let _ = stream.set_nodelay(true);
-    let (connection, driver) = http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|_| ErrorKind::Io)?;
-    tokio::spawn(async move {
-        if let Err(error) = driver.await {
-            tracing::debug!(%error, "backend connection ended with an error");
-        }
-    });
-    Ok(connection)
+    Ok(Connection::new(stream))
 }
 
 /// Sends `request` (origin-form, `Host` set) to `backend` over a pooled connection, or a new one
-/// opened within `connect_timeout`. Returns the response head and the connection, to be put back
-/// once the response body has been read to its end.
+/// opened within `connect_timeout`. The response body holds the connection; it goes back to the
+/// pool once the body has been read to its end ([`crate::body::ObservedBody`]).
 ///
 /// Fails with [`ErrorKind::Connect`] or [`ErrorKind::ConnectTimeout`] when no connection could
 /// be opened (nothing was sent), and [`ErrorKind::Io`] when the exchange failed.
@@ -154,20 +124,26 @@ pub async fn send(
     backend: &Arc<Backend>,
     mut request: Request<UpstreamBody>,
     connect_timeout: Duration,
-) -> Result<(Response<Incoming>, Connection), ErrorKind> {
-    if let Some(mut connection) = checkout(backend) {
-        match connection.try_send_request(request).await {
-            Ok(response) => return Ok((response, connection)),
-            Err(mut error) => match error.take_message() {
-                // The connection closed before the request could be written: try a new one.
-                Some(unsent) => request = unsent,
-                None => return Err(ErrorKind::Io),
-            },
+) -> Result<Response<ResponseStream>, ErrorKind> {
+    if let Some(connection) = backend.connections().checkout() {
+        match connection.send(request).await {
+            Ok(response) => return Ok(response),
+            // The connection closed before the request could be written: try a new one.
+            Err(SendError::Unsent(unsent)) => request = *unsent,
+            Err(SendError::Failed(error)) => {
+                tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");
+                return Err(ErrorKind::Io);
+            }
         }
     }
-    let mut connection = connect(backend, connect_timeout).await?;
-    match connection.try_send_request(request).await {
-        Ok(response) => Ok((response, connection)),
-        Err(_) => Err(ErrorKind::Io),
+    let connection = connect(backend, connect_timeout).await?;
+    match connection.send(request).await {
+        Ok(response) => Ok(response),
+        Err(error) => {
+            if let SendError::Failed(error) = error {
+                tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");
+            }
+            Err(ErrorKind::Io)
+        }
     }
 }

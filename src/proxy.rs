@@ -28,9 +28,9 @@ use rustls::pki_types::CertificateDer;
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
-use crate::body::{ObservedBody, RequestBody, ResponseBody, UpstreamBody};
+use crate::body::{BackendBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody};
 use crate::metrics::RetryReason;
-use crate::pool::{self, Connection};
+use crate::pool;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
 
@@ -54,18 +54,18 @@ impl std::fmt::Debug for UpstreamClient {
 
 impl UpstreamClient {
     /// Sends `request` to `backend`. For an `http://` backend the request must be in origin
-    /// form with its `Host` set ([`UpstreamClient::request_for`] builds one); the answer then
-    /// comes with the pooled connection, to be put back once the response body has been read to
-    /// its end. For an `https://` backend the URI is made absolute here.
+    /// form with its `Host` set; the response body then holds the pooled connection, which goes
+    /// back once the body has been read to its end. For an `https://` backend the URI is made
+    /// absolute here.
     pub async fn send(
         &self,
         backend: &Arc<Backend>,
         mut request: Request<UpstreamBody>,
-    ) -> Result<(Response<Incoming>, Option<Connection>), ErrorKind> {
+    ) -> Result<Response<BackendBody>, ErrorKind> {
         let addr = backend.addr();
         if !addr.is_https() {
-            let (response, connection) = pool::send(backend, request, self.connect_timeout).await?;
-            return Ok((response, Some(connection)));
+            let response = pool::send(backend, request, self.connect_timeout).await?;
+            return Ok(response.map(BackendBody::Pooled));
         }
         let https = self.https.get_or_init(|| {
             let connector = HttpsConnectorBuilder::new()
@@ -82,7 +82,7 @@ impl UpstreamClient {
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         *request.uri_mut() = absolute_uri(addr, path_and_query);
         match https.request(request).await {
-            Ok(response) => Ok((response, None)),
+            Ok(response) => Ok(response.map(BackendBody::Tls)),
             Err(error) => Err(classify(&error)),
         }
     }
@@ -411,7 +411,7 @@ async fn attempt(
         None => sent.await,
     };
     match answer {
-        Ok((upstream, connection)) => {
+        Ok(upstream) => {
             let (mut parts, body) = upstream.into_parts();
             let status = parts.status;
             let retry_after = retry_after(&parts.headers);
@@ -431,7 +431,7 @@ async fn attempt(
             if is_event_stream(&parts.headers) {
                 lease.mark_streamed();
             }
-            let body = ObservedBody::new(body, lease, connection, status, retry_after);
+            let body = ObservedBody::new(body, lease, status, retry_after);
             Attempt::Answer(Response::from_parts(parts, Either::Left(body)))
         }
         Err(kind) => {

@@ -226,7 +226,7 @@ impl Balancer {
             self.client.send(backend, request),
         )
         .await;
-        let passed = matches!(&answer, Ok(Ok((response, _))) if response.status().is_success());
+        let passed = matches!(&answer, Ok(Ok(response)) if response.status().is_success());
         tracing::info!(backend = %addr, passed, "readmission probe");
         passed
     }

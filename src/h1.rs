@@ -1,0 +1,945 @@
+//! HTTP/1.1 client connections to plain-HTTP backends, built for proxying.
+//!
+//! A [`Connection`] is a TCP stream with a read buffer and a write buffer that live as long as the
+//! connection. [`Connection::send`] writes the request (head and, for a body in memory, the body
+//! in one write), reads the response head, and returns the response with a [`ResponseStream`]
+//! that owns the connection and reads the body from the socket as the client's side polls it, in
+//! the task that serves the client: no task per connection, no channel between the two sides.
+//! Once the body was read to its end, [`ResponseStream::take_connection`] hands the connection
+//! back for the next request, if the exchange left it reusable.
+//!
+//! Framing follows RFC 9112: a request body goes out with its `Content-Length`, or chunked when
+//! the request says `Transfer-Encoding: chunked`; a response body is delimited by the request
+//! method and status (`HEAD`, 1xx, 204 and 304 have none), `Transfer-Encoding` (chunked is
+//! decoded, trailers included; any other coding is read to the end of the connection),
+//! `Content-Length`, or the end of the connection. Interim (1xx) responses are skipped. A
+//! connection is reused only when both messages were complete, the response did not ask to close,
+//! and no byte followed the response. Every buffer is bounded: a response head by
+//! [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`], a chunk-size line and a trailer block by
+//! [`MAX_LINE_BYTES`] and [`MAX_HEAD_BYTES`].
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
+
+use crate::body::UpstreamBody;
+
+/// Largest response head (or trailer block) accepted from a backend, in bytes.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Most header fields accepted in a response head or trailer block.
+pub const MAX_HEADERS: usize = 100;
+/// Longest chunk-size line accepted (extensions included).
+pub const MAX_LINE_BYTES: usize = 4096;
+
+/// Room kept free in the read buffer before a read; it grows by [`READ_BUFFER`] when less is left.
+const MIN_READ: usize = 1024;
+const READ_BUFFER: usize = 8 * 1024;
+/// A body in memory up to this size is copied behind the head and sent in the same write.
+const COALESCE_BODY: usize = 16 * 1024;
+
+/// An HTTP/1.1 connection to a backend, idle between exchanges.
+#[derive(Debug)]
+pub struct Connection {
+    stream: TcpStream,
+    read: BytesMut,
+    write: Vec<u8>,
+}
+
+/// Why a request got no response.
+#[derive(Debug)]
+pub enum SendError {
+    /// Not a byte of the request could be written: the connection had been closed. The request
+    /// is handed back untouched, to be sent on another connection.
+    Unsent(Box<Request<UpstreamBody>>),
+    /// The exchange failed (the request may have reached the backend).
+    Failed(io::Error),
+}
+
+impl Connection {
+    /// Wraps a connected stream.
+    pub fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            read: BytesMut::with_capacity(READ_BUFFER),
+            write: Vec::with_capacity(1024),
+        }
+    }
+
+    /// Whether the backend closed the connection (as far as the last look at the socket tells).
+    pub fn is_closed(&self) -> bool {
+        let ready = std::pin::pin!(self.stream.ready(Interest::READABLE));
+        let mut context = Context::from_waker(std::task::Waker::noop());
+        match std::future::Future::poll(ready, &mut context) {
+            Poll::Ready(Ok(ready)) => ready.is_read_closed() || ready.is_error(),
+            Poll::Ready(Err(_)) => true,
+            Poll::Pending => false,
+        }
+    }
+
+    /// Sends `request` (origin form, `Host` set) and reads the response head. The response body
+    /// owns the connection until it was read to its end.
+    pub async fn send(
+        mut self,
+        request: Request<UpstreamBody>,
+    ) -> Result<Response<ResponseStream>, SendError> {
+        let (parts, mut body) = request.into_parts();
+        let chunked = encode_head(&mut self.write, &parts, &body);
+        let head_request = parts.method == Method::HEAD;
+        let outcome = {
+            let Connection {
+                stream,
+                read,
+                write,
+            } = &mut self;
+            let (mut reader, mut writer) = stream.split();
+            let sending = write_request(&mut writer, write, &mut body, chunked);
+            let receiving = read_head(&mut reader, read, head_request);
+            tokio::pin!(sending, receiving);
+            tokio::select! {
+                biased;
+                sent = &mut sending => match sent {
+                    Ok(()) => Outcome::Answered(receiving.await, true),
+                    Err(WriteError::Unsent) => Outcome::Unsent,
+                    // The backend may have answered before it stopped reading (413, say);
+                    // without an answer, the write's error says what went wrong.
+                    Err(WriteError::Io(error)) => match receiving.await {
+                        Ok(head) => Outcome::Answered(Ok(head), false),
+                        Err(_) => Outcome::Answered(Err(error), false),
+                    },
+                },
+                // An answer before the whole request was sent: the connection is not reused.
+                head = &mut receiving => Outcome::Answered(head, false),
+            }
+        };
+        match outcome {
+            Outcome::Unsent => Err(SendError::Unsent(Box::new(Request::from_parts(
+                parts, body,
+            )))),
+            Outcome::Answered(Err(error), _) => Err(SendError::Failed(error)),
+            Outcome::Answered(Ok(head), sent) => {
+                let keep_alive = head.keep_alive && sent;
+                let mut response = Response::new(ResponseStream {
+                    connection: Some(self),
+                    framing: head.framing,
+                    keep_alive,
+                });
+                *response.status_mut() = head.status;
+                *response.version_mut() = head.version;
+                *response.headers_mut() = head.headers;
+                Ok(response)
+            }
+        }
+    }
+
+    /// Reads more bytes into the read buffer; `Ok(0)` at the end of the connection.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.read.capacity() - self.read.len() < MIN_READ {
+            self.read.reserve(READ_BUFFER);
+        }
+        loop {
+            ready!(self.stream.poll_read_ready(cx))?;
+            match self.stream.try_read_buf(&mut self.read) {
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+                result => return Poll::Ready(result),
+            }
+        }
+    }
+}
+
+enum Outcome {
+    Unsent,
+    /// The response head (or why there is none), and whether the whole request was sent.
+    Answered(io::Result<Head>, bool),
+}
+
+enum WriteError {
+    /// The first write failed: nothing reached the backend.
+    Unsent,
+    /// Part of the request may have been sent.
+    Io(io::Error),
+}
+
+/// Writes the request head into `out`; returns whether the body goes out chunked.
+fn encode_head(out: &mut Vec<u8>, parts: &http::request::Parts, body: &UpstreamBody) -> bool {
+    out.clear();
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.push(b' ');
+    let target = if parts.method == Method::CONNECT {
+        parts.uri.authority().map(|authority| authority.as_str())
+    } else {
+        parts.uri.path_and_query().map(|path| path.as_str())
+    };
+    out.extend_from_slice(target.unwrap_or("/").as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut chunked = false;
+    let mut sized = false;
+    for (name, value) in &parts.headers {
+        if name == header::TRANSFER_ENCODING {
+            chunked = true;
+        } else if name == header::CONTENT_LENGTH {
+            sized = true;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !chunked && !sized {
+        match body {
+            UpstreamBody::Full { bytes: Some(bytes) } if !bytes.is_empty() => {
+                out.extend_from_slice(b"content-length: ");
+                out.extend_from_slice(itoa_u64(bytes.len() as u64).as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            UpstreamBody::Full { .. } => {}
+            UpstreamBody::Streaming { .. } => {
+                out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+                chunked = true;
+            }
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    chunked
+}
+
+/// Decimal text of `value` (a `Content-Length`), without allocating.
+fn itoa_u64(value: u64) -> ItoaBuffer {
+    let mut buffer = ItoaBuffer {
+        digits: [0; 20],
+        start: 20,
+    };
+    let mut rest = value;
+    loop {
+        buffer.start -= 1;
+        buffer.digits[buffer.start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            return buffer;
+        }
+    }
+}
+
+struct ItoaBuffer {
+    digits: [u8; 20],
+    start: usize,
+}
+
+impl ItoaBuffer {
+    fn as_bytes(&self) -> &[u8] {
+        &self.digits[self.start..]
+    }
+}
+
+/// Writes the encoded head in `head` and then the body.
+async fn write_request(
+    writer: &mut WriteHalf<'_>,
+    head: &mut Vec<u8>,
+    body: &mut UpstreamBody,
+    chunked: bool,
+) -> Result<(), WriteError> {
+    let mut rest_of_body = None;
+    if let UpstreamBody::Full { bytes: Some(bytes) } = body {
+        if bytes.len() <= COALESCE_BODY {
+            head.extend_from_slice(bytes);
+        } else {
+            rest_of_body = Some(bytes.clone());
+        }
+    }
+    // The first write tells whether the connection still takes requests.
+    let written = match writer.write(head).await {
+        Ok(0) | Err(_) => return Err(WriteError::Unsent),
+        Ok(written) => written,
+    };
+    writer
+        .write_all(&head[written..])
+        .await
+        .map_err(WriteError::Io)?;
+    if let Some(bytes) = rest_of_body {
+        return writer.write_all(&bytes).await.map_err(WriteError::Io);
+    }
+    if let UpstreamBody::Full { .. } = body {
+        return Ok(());
+    }
+    // A streamed body: each frame as it comes, chunk-framed when the length is not known.
+    let mut trailers = None;
+    loop {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await;
+        let frame = match frame {
+            None => break,
+            Some(Ok(frame)) => frame,
+            Some(Err(error)) => return Err(WriteError::Io(io::Error::other(error))),
+        };
+        let data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                trailers = frame.into_trailers().ok();
+                continue;
+            }
+        };
+        if data.is_empty() {
+            continue;
+        }
+        if chunked {
+            head.clear();
+            head.extend_from_slice(format_hex(data.len()).as_bytes());
+            head.extend_from_slice(b"\r\n");
+            if data.len() <= COALESCE_BODY {
+                head.extend_from_slice(&data);
+                head.extend_from_slice(b"\r\n");
+                writer.write_all(head).await.map_err(WriteError::Io)?;
+                continue;
+            }
+            writer.write_all(head).await.map_err(WriteError::Io)?;
+            writer.write_all(&data).await.map_err(WriteError::Io)?;
+            writer.write_all(b"\r\n").await.map_err(WriteError::Io)?;
+        } else {
+            writer.write_all(&data).await.map_err(WriteError::Io)?;
+        }
+    }
+    if chunked {
+        head.clear();
+        head.extend_from_slice(b"0\r\n");
+        for (name, value) in trailers.iter().flatten() {
+            head.extend_from_slice(name.as_str().as_bytes());
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(value.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        }
+        head.extend_from_slice(b"\r\n");
+        writer.write_all(head).await.map_err(WriteError::Io)?;
+    }
+    Ok(())
+}
+
+fn format_hex(value: usize) -> HexBuffer {
+    let mut buffer = HexBuffer {
+        digits: [0; 16],
+        start: 16,
+    };
+    let mut rest = value;
+    loop {
+        buffer.start -= 1;
+        buffer.digits[buffer.start] = b"0123456789abcdef"[rest & 0xf];
+        rest >>= 4;
+        if rest == 0 {
+            return buffer;
+        }
+    }
+}
+
+struct HexBuffer {
+    digits: [u8; 16],
+    start: usize,
+}
+
+impl HexBuffer {
+    fn as_bytes(&self) -> &[u8] {
+        &self.digits[self.start..]
+    }
+}
+
+/// A parsed response head.
+struct Head {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+fn invalid(message: &'static str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message)
+}
+
+/// Reads until a final response head is complete; interim (1xx) responses are passed over.
+async fn read_head(
+    reader: &mut ReadHalf<'_>,
+    buffer: &mut BytesMut,
+    head_request: bool,
+) -> io::Result<Head> {
+    loop {
+        if !buffer.is_empty() {
+            if let Some(head) = parse_head(buffer, head_request)? {
+                return Ok(head);
+            }
+            if buffer.len() >= MAX_HEAD_BYTES {
+                return Err(invalid("response head too large"));
+            }
+        }
+        if buffer.capacity() - buffer.len() < MIN_READ {
+            buffer.reserve(READ_BUFFER);
+        }
+        if reader.read_buf(buffer).await? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed before a response",
+            ));
+        }
+    }
+}
+
+/// Parses a final response head at the start of `buffer` and removes it from there; `None` when
+/// the head is not complete yet (an interim response is removed and `None` returned as well, so
+/// the caller reads on).
+fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<Head>> {
+    let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut []);
+    let parser = httparse::ParserConfig::default();
+    let status = match parser.parse_response_with_uninit_headers(&mut parsed, buffer, &mut fields) {
+        Ok(status) => status,
+        Err(httparse::Error::TooManyHeaders) => return Err(invalid("too many response headers")),
+        Err(_) => return Err(invalid("malformed response head")),
+    };
+    let httparse::Status::Complete(length) = status else {
+        return Ok(None);
+    };
+    let code = parsed.code.unwrap_or_default();
+    let version = if parsed.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    let base = buffer.as_ptr() as usize;
+    let count = parsed.headers.len();
+    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
+        let name = field.name.as_ptr() as usize - base;
+        let value = field.value.as_ptr() as usize - base;
+        // A head is at most `MAX_HEAD_BYTES` long, so offsets fit.
+        *span = (
+            name as u32,
+            (name + field.name.len()) as u32,
+            value as u32,
+            (value + field.value.len()) as u32,
+        );
+    }
+    if (100..200).contains(&code) && code != 101 {
+        buffer.advance(length);
+        return Ok(None);
+    }
+    let status = StatusCode::from_u16(code).map_err(|_| invalid("invalid status code"))?;
+    let head = buffer.split_to(length).freeze();
+    let mut headers = HeaderMap::with_capacity(count);
+    let mut content_length: Option<u64> = None;
+    let mut transfer_encoding: Option<bool> = None;
+    let mut close = version == Version::HTTP_10;
+    for &(name_start, name_end, value_start, value_end) in &spans[..count] {
+        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
+            .map_err(|_| invalid("invalid response header name"))?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
+                .map_err(|_| invalid("invalid response header value"))?;
+        if name == header::CONTENT_LENGTH {
+            let length = parse_content_length(value.as_bytes())?;
+            if content_length.is_some_and(|seen| seen != length) {
+                return Err(invalid("conflicting content-length"));
+            }
+            content_length = Some(length);
+        } else if name == header::TRANSFER_ENCODING {
+            // The last coding decides: chunked, or read to the end of the connection.
+            let last = value
+                .as_bytes()
+                .rsplit(|&b| b == b',')
+                .next()
+                .unwrap_or(b"");
+            transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name == header::CONNECTION {
+            for token in value.as_bytes().split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10 {
+                    close = false;
+                }
+            }
+        }
+        headers.append(name, value);
+    }
+    let framing = if head_request || code == 101 || code == 204 || code == 304 {
+        Framing::Length(0)
+    } else if let Some(chunked) = transfer_encoding {
+        if content_length.is_some() {
+            // Both lengths: the message is read as chunked, and the connection not reused.
+            close = true;
+        }
+        if chunked {
+            Framing::Chunked(Chunked::Size)
+        } else {
+            Framing::Close
+        }
+    } else if let Some(length) = content_length {
+        Framing::Length(length)
+    } else {
+        Framing::Close
+    };
+    let keep_alive = !close && code != 101 && !matches!(framing, Framing::Close);
+    Ok(Some(Head {
+        status,
+        version,
+        headers,
+        framing,
+        keep_alive,
+    }))
+}
+
+/// A `Content-Length` value: digits, or a list of the same digits (`5, 5`).
+fn parse_content_length(value: &[u8]) -> io::Result<u64> {
+    let mut length: Option<u64> = None;
+    for item in value.split(|&b| b == b',') {
+        let item = item.trim_ascii();
+        if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
+            return Err(invalid("invalid content-length"));
+        }
+        let parsed = item
+            .iter()
+            .fold(0u64, |total, digit| total * 10 + u64::from(digit - b'0'));
+        if length.is_some_and(|seen| seen != parsed) {
+            return Err(invalid("conflicting content-length"));
+        }
+        length = Some(parsed);
+    }
+    length.ok_or_else(|| invalid("invalid content-length"))
+}
+
+/// How the rest of a response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    /// Chunked transfer coding, at this point of a chunk.
+    Chunked(Chunked),
+    /// Everything up to the end of the connection.
+    Close,
+    /// The body ended.
+    Done,
+    /// The body failed; the connection is not reused.
+    Failed,
+}
+
+/// Where the chunked decoder is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunked {
+    /// At a chunk-size line.
+    Size,
+    /// Inside a chunk, with this many bytes left.
+    Data(u64),
+    /// After a chunk's data, at its line end.
+    DataEnd,
+    /// After the last chunk, at the trailer block.
+    Trailers,
+}
+
+/// What the chunked decoder found in the buffer.
+#[derive(Debug)]
+enum Decoded {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    End,
+    /// More bytes are needed.
+    More,
+}
+
+/// Decodes the next piece of a chunked body from `buffer`.
+fn decode_chunked(state: &mut Chunked, buffer: &mut BytesMut) -> io::Result<Decoded> {
+    loop {
+        match *state {
+            Chunked::Size => {
+                let Some(end) = memchr::memchr(b'\n', buffer) else {
+                    if buffer.len() > MAX_LINE_BYTES {
+                        return Err(invalid("chunk-size line too long"));
+                    }
+                    return Ok(Decoded::More);
+                };
+                if end > MAX_LINE_BYTES {
+                    return Err(invalid("chunk-size line too long"));
+                }
+                let line = &buffer[..end];
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                let size = line
+                    .split(|&b| b == b';')
+                    .next()
+                    .unwrap_or(b"")
+                    .trim_ascii();
+                if size.is_empty() || size.len() > 15 || !size.iter().all(u8::is_ascii_hexdigit) {
+                    return Err(invalid("invalid chunk size"));
+                }
+                let size = size.iter().fold(0u64, |total, &digit| {
+                    total * 16 + u64::from((digit as char).to_digit(16).unwrap_or(0))
+                });
+                buffer.advance(end + 1);
+                *state = if size == 0 {
+                    Chunked::Trailers
+                } else {
+                    Chunked::Data(size)
+                };
+            }
+            Chunked::Data(left) => {
+                if buffer.is_empty() {
+                    return Ok(Decoded::More);
+                }
+                let taken = buffer
+                    .len()
+                    .min(usize::try_from(left).unwrap_or(usize::MAX));
+                *state = if taken as u64 == left {
+                    Chunked::DataEnd
+                } else {
+                    Chunked::Data(left - taken as u64)
+                };
+                return Ok(Decoded::Data(buffer.split_to(taken).freeze()));
+            }
+            Chunked::DataEnd => match buffer.first() {
+                None => return Ok(Decoded::More),
+                Some(b'\n') => {
+                    buffer.advance(1);
+                    *state = Chunked::Size;
+                }
+                Some(b'\r') => match buffer.get(1) {
+                    None => return Ok(Decoded::More),
+                    Some(b'\n') => {
+                        buffer.advance(2);
+                        *state = Chunked::Size;
+                    }
+                    Some(_) => return Err(invalid("chunk data longer than its size")),
+                },
+                Some(_) => return Err(invalid("chunk data longer than its size")),
+            },
+            Chunked::Trailers => return decode_trailers(buffer),
+        }
+    }
+}
+
+/// The trailer block after the last chunk: nothing (an empty line) or header fields.
+fn decode_trailers(buffer: &mut BytesMut) -> io::Result<Decoded> {
+    match buffer.first() {
+        None => return Ok(Decoded::More),
+        Some(b'\n') => {
+            buffer.advance(1);
+            return Ok(Decoded::End);
+        }
+        Some(b'\r') => match buffer.get(1) {
+            None => return Ok(Decoded::More),
+            Some(b'\n') => {
+                buffer.advance(2);
+                return Ok(Decoded::End);
+            }
+            Some(_) => return Err(invalid("malformed trailers")),
+        },
+        Some(_) => {}
+    }
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    match httparse::parse_headers(buffer, &mut fields) {
+        Ok(httparse::Status::Complete((length, fields))) => {
+            let mut trailers = HeaderMap::with_capacity(fields.len());
+            for field in fields.iter() {
+                let name = HeaderName::from_bytes(field.name.as_bytes())
+                    .map_err(|_| invalid("invalid trailer name"))?;
+                let value = HeaderValue::from_bytes(field.value)
+                    .map_err(|_| invalid("invalid trailer value"))?;
+                trailers.append(name, value);
+            }
+            buffer.advance(length);
+            Ok(Decoded::Trailers(trailers))
+        }
+        Ok(httparse::Status::Partial) if buffer.len() < MAX_HEAD_BYTES => Ok(Decoded::More),
+        Ok(httparse::Status::Partial) => Err(invalid("trailers too large")),
+        Err(_) => Err(invalid("malformed trailers")),
+    }
+}
+
+/// A response body read from its connection as it is polled.
+#[derive(Debug)]
+pub struct ResponseStream {
+    connection: Option<Connection>,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+impl ResponseStream {
+    /// The connection, once the body was read to its end and the exchange left it reusable.
+    pub fn take_connection(&mut self) -> Option<Connection> {
+        let reusable = self.framing == Framing::Done
+            && self.keep_alive
+            && self
+                .connection
+                .as_ref()
+                .is_some_and(|connection| connection.read.is_empty());
+        if reusable {
+            self.connection.take()
+        } else {
+            None
+        }
+    }
+
+    fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        self.framing = Framing::Failed;
+        self.connection = None;
+        Poll::Ready(Some(Err(error)))
+    }
+}
+
+impl Body for ResponseStream {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let this = self.get_mut();
+        loop {
+            let Some(connection) = this.connection.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let buffer = &mut connection.read;
+            match &mut this.framing {
+                Framing::Done | Framing::Failed => return Poll::Ready(None),
+                Framing::Length(0) => {
+                    this.framing = Framing::Done;
+                    return Poll::Ready(None);
+                }
+                Framing::Length(left) => {
+                    if !buffer.is_empty() {
+                        let taken = buffer
+                            .len()
+                            .min(usize::try_from(*left).unwrap_or(usize::MAX));
+                        *left -= taken as u64;
+                        if *left == 0 {
+                            this.framing = Framing::Done;
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(buffer.split_to(taken).freeze()))));
+                    }
+                }
+                Framing::Chunked(state) => match decode_chunked(state, buffer) {
+                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Ok(Decoded::Trailers(trailers)) => {
+                        this.framing = Framing::Done;
+                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                    }
+                    Ok(Decoded::End) => {
+                        this.framing = Framing::Done;
+                        return Poll::Ready(None);
+                    }
+                    Ok(Decoded::More) => {}
+                    Err(error) => return this.fail(error),
+                },
+                Framing::Close => {
+                    if !buffer.is_empty() {
+                        let data = buffer.split().freeze();
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                }
+            }
+            match ready!(connection.poll_fill(cx)) {
+                Ok(0) if this.framing == Framing::Close => {
+                    this.framing = Framing::Done;
+                    this.keep_alive = false;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => {
+                    return this.fail(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "connection closed before the response body ended",
+                    ));
+                }
+                Ok(_) => {}
+                Err(error) => return this.fail(error),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.framing, Framing::Done | Framing::Length(0))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(left) => SizeHint::with_exact(left),
+            Framing::Done | Framing::Failed => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_all(input: &[u8], split: usize) -> io::Result<(Vec<u8>, Option<HeaderMap>, bool)> {
+        let mut state = Chunked::Size;
+        let mut buffer = BytesMut::new();
+        let mut body = Vec::new();
+        let mut trailers = None;
+        for piece in input.chunks(split.max(1)) {
+            buffer.extend_from_slice(piece);
+            loop {
+                match decode_chunked(&mut state, &mut buffer)? {
+                    Decoded::Data(data) => body.extend_from_slice(&data),
+                    Decoded::Trailers(map) => {
+                        trailers = Some(map);
+                        return Ok((body, trailers, true));
+                    }
+                    Decoded::End => return Ok((body, trailers, true)),
+                    Decoded::More => break,
+                }
+            }
+        }
+        Ok((body, trailers, false))
+    }
+
+    #[test]
+    fn chunked_bodies_decode_however_they_are_split() {
+        let input = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n";
+        for split in 1..input.len() {
+            let (body, trailers, ended) = decode_all(input, split).unwrap();
+            assert_eq!(body, b"hello, world", "split {split}");
+            assert!(trailers.is_none());
+            assert!(ended);
+        }
+    }
+
+    #[test]
+    fn chunked_trailers_and_bare_line_feeds_are_read() {
+        let input = b"3\nabc\n0\r\nx-checksum: 42\r\nx-other: y\r\n\r\n";
+        for split in 1..input.len() {
+            let (body, trailers, ended) = decode_all(input, split).unwrap();
+            assert_eq!(body, b"abc");
+            let trailers = trailers.expect("trailers");
+            assert_eq!(trailers["x-checksum"], "42");
+            assert_eq!(trailers["x-other"], "y");
+            assert!(ended);
+        }
+    }
+
+    #[test]
+    fn malformed_chunked_bodies_are_errors() {
+        for input in [
+            &b"zz\r\n"[..],
+            b"\r\n",
+            b"+5\r\nhello\r\n0\r\n\r\n",
+            b"3\r\nabcd\r\n0\r\n\r\n",
+            b"10000000000000000\r\n",
+        ] {
+            assert!(decode_all(input, input.len()).is_err(), "{input:?}");
+        }
+        let long_line = vec![b'1'; MAX_LINE_BYTES + 2];
+        assert!(decode_all(&long_line, long_line.len()).is_err());
+    }
+
+    #[test]
+    fn response_heads_say_how_the_body_is_delimited() {
+        let cases: [(&[u8], bool, Framing, bool); 9] = [
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+                false,
+                Framing::Length(2),
+                true,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+                Framing::Chunked(Chunked::Size),
+                true,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+                false,
+                Framing::Close,
+                false,
+            ),
+            (b"HTTP/1.1 200 OK\r\n\r\n", false, Framing::Close, false),
+            (
+                b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+                false,
+                Framing::Length(0),
+                false,
+            ),
+            (
+                b"HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\n",
+                false,
+                Framing::Length(1),
+                false,
+            ),
+            (
+                b"HTTP/1.0 200 OK\r\nConnection: Keep-Alive\r\ncontent-length: 1\r\n\r\n",
+                false,
+                Framing::Length(1),
+                true,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
+                true,
+                Framing::Length(0),
+                true,
+            ),
+            (
+                b"HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n",
+                false,
+                Framing::Length(0),
+                true,
+            ),
+        ];
+        for (input, head_request, framing, keep_alive) in cases {
+            let mut buffer = BytesMut::from(input);
+            let head = parse_head(&mut buffer, head_request).unwrap().unwrap();
+            assert_eq!(head.framing, framing, "{}", String::from_utf8_lossy(input));
+            assert_eq!(
+                head.keep_alive,
+                keep_alive,
+                "{}",
+                String::from_utf8_lossy(input)
+            );
+        }
+    }
+
+    #[test]
+    fn interim_responses_are_skipped_and_partial_heads_wait() {
+        let mut buffer =
+            BytesMut::from(&b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n"[..]);
+        assert!(parse_head(&mut buffer, false).unwrap().is_none());
+        assert!(parse_head(&mut buffer, false).unwrap().is_none());
+        buffer.extend_from_slice(b"x-a: 1\r\nx-a: 2\r\ncontent-length: 0\r\n\r\n");
+        let head = parse_head(&mut buffer, false).unwrap().unwrap();
+        assert_eq!(head.status, StatusCode::CREATED);
+        assert_eq!(head.headers.get_all("x-a").iter().count(), 2);
+        assert!(buffer.is_empty());
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        for input in [
+            &b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: +1\r\n\r\n",
+        ] {
+            assert!(parse_head(&mut BytesMut::from(input), false).is_err());
+        }
+        let head = parse_head(
+            &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n"[..]),
+            false,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(head.framing, Framing::Length(4));
+    }
+
+    #[test]
+    fn numbers_are_written_without_allocating() {
+        for value in [0u64, 7, 10, 1234567890, u64::MAX] {
+            assert_eq!(itoa_u64(value).as_bytes(), value.to_string().as_bytes());
+            assert_eq!(
+                format_hex(value as usize).as_bytes(),
+                format!("{:x}", value as usize).as_bytes()
+            );
+        }
+    }
+}

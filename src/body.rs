@@ -250,6 +250,49 @@ impl Body for UpstreamBody {
     }
 }
 
+/// What was read of a request body: nothing, one frame's bytes as they came, or a copy of
+/// several frames.
+enum Read {
+    Nothing,
+    One(Bytes),
+    Many(BytesMut),
+}
+
+impl Read {
+    fn len(&self) -> usize {
+        match self {
+            Read::Nothing => 0,
+            Read::One(bytes) => bytes.len(),
+            Read::Many(buffer) => buffer.len(),
+        }
+    }
+
+    /// Adds `data`; a copy starts with room for `announced` bytes.
+    fn push(self, data: Bytes, announced: usize) -> Self {
+        match self {
+            Read::Nothing => Read::One(data),
+            Read::One(first) => {
+                let mut buffer = BytesMut::with_capacity(announced.max(first.len() + data.len()));
+                buffer.extend_from_slice(&first);
+                buffer.extend_from_slice(&data);
+                Read::Many(buffer)
+            }
+            Read::Many(mut buffer) => {
+                buffer.extend_from_slice(&data);
+                Read::Many(buffer)
+            }
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Read::Nothing => Bytes::new(),
+            Read::One(bytes) => bytes,
+            Read::Many(buffer) => buffer.freeze(),
+        }
+    }
+}
+
 /// A client's request body, read up to the retry limit.
 #[derive(Debug)]
 pub enum RequestBody {
@@ -279,13 +322,16 @@ impl RequestBody {
             return Ok(RequestBody::Streaming(None, body));
         }
         let mut permit: Option<OwnedSemaphorePermit> = None;
-        let mut buffer = BytesMut::with_capacity(announced as usize);
+        // A body that arrives in one frame (the usual small request) is kept as that frame's
+        // bytes; a copy is made only when a second frame comes.
+        let mut read = Read::Nothing;
         while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
         {
             let Ok(data) = frame?.into_data() else {
                 continue;
             };
-            let needed = (buffer.len() + data.len()).div_ceil(1024) as u32;
+            let total = read.len() + data.len();
+            let needed = total.div_ceil(1024) as u32;
             let held = permit.as_ref().map_or(0, |p| p.num_permits() as u32);
             let more = needed.saturating_sub(held);
             let granted = more == 0
@@ -299,13 +345,12 @@ impl RequestBody {
                     }
                     Err(_) => false,
                 };
-            if !granted || buffer.len() + data.len() > limit {
-                buffer.extend_from_slice(&data);
-                return Ok(RequestBody::Streaming(Some(buffer.freeze()), body));
+            read = read.push(data, announced as usize);
+            if !granted || total > limit {
+                return Ok(RequestBody::Streaming(Some(read.into_bytes()), body));
             }
-            buffer.extend_from_slice(&data);
         }
-        Ok(RequestBody::Replayable(buffer.freeze(), permit))
+        Ok(RequestBody::Replayable(read.into_bytes(), permit))
     }
 
     /// The bytes read so far (the whole body when replayable).

@@ -25,7 +25,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Version};
+use http::{Method, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
@@ -57,9 +57,9 @@ pub struct Connection {
 /// Why a request got no response.
 #[derive(Debug)]
 pub enum SendError {
-    /// Not a byte of the request could be written: the connection had been closed. The request
+    /// Not a byte of the request could be written: the connection had been closed. The body
     /// is handed back untouched, to be sent on another connection.
-    Unsent(Box<Request<UpstreamBody>>),
+    Unsent(UpstreamBody),
     /// The exchange failed (the request may have reached the backend).
     Failed(io::Error),
 }
@@ -85,15 +85,15 @@ impl Connection {
         }
     }
 
-    /// Sends `request` (origin form, `Host` set) and reads the response head. The response body
+    /// Sends the request `head` with `body` and reads the response head. The response body
     /// owns the connection until it was read to its end.
     pub async fn send(
         mut self,
-        request: Request<UpstreamBody>,
+        head: &RequestHead<'_>,
+        mut body: UpstreamBody,
     ) -> Result<Response<ResponseStream>, SendError> {
-        let (parts, mut body) = request.into_parts();
-        let chunked = encode_head(&mut self.write, &parts, &body);
-        let head_request = parts.method == Method::HEAD;
+        let chunked = encode_head(&mut self.write, head, &body);
+        let head_request = *head.method == Method::HEAD;
         let outcome = {
             let Connection {
                 stream,
@@ -117,24 +117,22 @@ impl Connection {
                     },
                 },
                 // An answer before the whole request was sent: the connection is not reused.
-                head = &mut receiving => Outcome::Answered(head, false),
+                answer = &mut receiving => Outcome::Answered(answer, false),
             }
         };
         match outcome {
-            Outcome::Unsent => Err(SendError::Unsent(Box::new(Request::from_parts(
-                parts, body,
-            )))),
+            Outcome::Unsent => Err(SendError::Unsent(body)),
             Outcome::Answered(Err(error), _) => Err(SendError::Failed(error)),
-            Outcome::Answered(Ok(head), sent) => {
-                let keep_alive = head.keep_alive && sent;
+            Outcome::Answered(Ok(answer), sent) => {
+                let keep_alive = answer.keep_alive && sent;
                 let mut response = Response::new(ResponseStream {
                     connection: Some(self),
-                    framing: head.framing,
+                    framing: answer.framing,
                     keep_alive,
                 });
-                *response.status_mut() = head.status;
-                *response.version_mut() = head.version;
-                *response.headers_mut() = head.headers;
+                *response.status_mut() = answer.status;
+                *response.version_mut() = answer.version;
+                *response.headers_mut() = answer.headers;
                 Ok(response)
             }
         }
@@ -168,21 +166,35 @@ enum WriteError {
     Io(io::Error),
 }
 
+/// What a request head is made of, borrowed from the proxy's copy of the client's request (so
+/// that another attempt can send it again without a copy).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The request target: a path and query (origin form), or `host:port` for `CONNECT`.
+    pub target: &'a str,
+    /// The header fields, hop-by-hop ones already removed.
+    pub headers: &'a HeaderMap,
+    /// A `Host` to add (the headers have none).
+    pub host: Option<&'a str>,
+}
+
 /// Writes the request head into `out`; returns whether the body goes out chunked.
-fn encode_head(out: &mut Vec<u8>, parts: &http::request::Parts, body: &UpstreamBody) -> bool {
+fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -> bool {
     out.clear();
-    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
-    let target = if parts.method == Method::CONNECT {
-        parts.uri.authority().map(|authority| authority.as_str())
-    } else {
-        parts.uri.path_and_query().map(|path| path.as_str())
-    };
-    out.extend_from_slice(target.unwrap_or("/").as_bytes());
+    out.extend_from_slice(head.target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
+    if let Some(host) = head.host {
+        out.extend_from_slice(b"host: ");
+        out.extend_from_slice(host.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
     let mut chunked = false;
     let mut sized = false;
-    for (name, value) in &parts.headers {
+    for (name, value) in head.headers {
         if name == header::TRANSFER_ENCODING {
             chunked = true;
         } else if name == header::CONTENT_LENGTH {
@@ -368,8 +380,13 @@ async fn read_head(
 ) -> io::Result<Head> {
     loop {
         if !buffer.is_empty() {
+            let before = buffer.len();
             if let Some(head) = parse_head(buffer, head_request)? {
                 return Ok(head);
+            }
+            if buffer.len() < before {
+                // An interim response was passed over: what follows may already be here.
+                continue;
             }
             if buffer.len() >= MAX_HEAD_BYTES {
                 return Err(invalid("response head too large"));
@@ -403,6 +420,10 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
     let httparse::Status::Complete(length) = status else {
         return Ok(None);
     };
+    if length > MAX_HEAD_BYTES {
+        // One read can complete a head past the limit.
+        return Err(invalid("response head too large"));
+    }
     let code = parsed.code.unwrap_or_default();
     let version = if parsed.version == Some(0) {
         Version::HTTP_10
@@ -432,8 +453,44 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
     let mut content_length: Option<u64> = None;
     let mut transfer_encoding: Option<bool> = None;
     let mut close = version == Version::HTTP_10;
+    // Hop-by-hop fields are read for framing and left out of the map, unless `Connection`
+    // names other fields: then it stays, for the proxy to remove it and the fields it names.
+    let mut connection_names_fields = false;
+    let mut connection_values = 0..0;
     for &(name_start, name_end, value_start, value_end) in &spans[..count] {
-        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
+        let raw_name = &head[name_start as usize..name_end as usize];
+        let raw_value = &head[value_start as usize..value_end as usize];
+        match hop_by_hop(raw_name) {
+            Some(Hop::Connection) => {
+                for token in raw_value.split(|&b| b == b',') {
+                    let token = token.trim_ascii();
+                    if token.eq_ignore_ascii_case(b"close") {
+                        close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        if version == Version::HTTP_10 {
+                            close = false;
+                        }
+                    } else if !token.is_empty() {
+                        connection_names_fields = true;
+                    }
+                }
+                if connection_values.is_empty() {
+                    connection_values = value_start as usize..value_end as usize;
+                }
+                if !connection_names_fields {
+                    continue;
+                }
+            }
+            Some(Hop::TransferEncoding) => {
+                // The last coding decides: chunked, or read to the end of the connection.
+                let last = raw_value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+                transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                continue;
+            }
+            Some(Hop::Other) => continue,
+            None => {}
+        }
+        let name = HeaderName::from_bytes(raw_name)
             .map_err(|_| invalid("invalid response header name"))?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
@@ -444,25 +501,14 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
                 return Err(invalid("conflicting content-length"));
             }
             content_length = Some(length);
-        } else if name == header::TRANSFER_ENCODING {
-            // The last coding decides: chunked, or read to the end of the connection.
-            let last = value
-                .as_bytes()
-                .rsplit(|&b| b == b',')
-                .next()
-                .unwrap_or(b"");
-            transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-        } else if name == header::CONNECTION {
-            for token in value.as_bytes().split(|&b| b == b',') {
-                let token = token.trim_ascii();
-                if token.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10 {
-                    close = false;
-                }
-            }
         }
         headers.append(name, value);
+    }
+    if connection_names_fields && !headers.contains_key(header::CONNECTION) {
+        // An earlier `Connection` line was left out before a later one named fields.
+        let value = HeaderValue::from_maybe_shared(head.slice(connection_values))
+            .map_err(|_| invalid("invalid response header value"))?;
+        headers.append(header::CONNECTION, value);
     }
     let framing = if head_request || code == 101 || code == 204 || code == 304 {
         Framing::Length(0)
@@ -489,6 +535,38 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
         framing,
         keep_alive,
     }))
+}
+
+/// The hop-by-hop fields (RFC 9110 §7.6.1, and those the proxy also drops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hop {
+    Connection,
+    TransferEncoding,
+    Other,
+}
+
+fn hop_by_hop(name: &[u8]) -> Option<Hop> {
+    const OTHERS: [&[u8]; 6] = [
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+        b"proxy-authorization",
+    ];
+    // Lengths first: most names are ruled out without comparing them.
+    if !matches!(name.len(), 2 | 7 | 10 | 16 | 17 | 19) {
+        return None;
+    }
+    if name.eq_ignore_ascii_case(b"connection") {
+        Some(Hop::Connection)
+    } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        Some(Hop::TransferEncoding)
+    } else if OTHERS.iter().any(|hop| name.eq_ignore_ascii_case(hop)) {
+        Some(Hop::Other)
+    } else {
+        None
+    }
 }
 
 /// A `Content-Length` value: digits, or a list of the same digits (`5, 5`).
@@ -637,6 +715,9 @@ fn decode_trailers(buffer: &mut BytesMut) -> io::Result<Decoded> {
     }
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
     match httparse::parse_headers(buffer, &mut fields) {
+        Ok(httparse::Status::Complete((length, _))) if length > MAX_HEAD_BYTES => {
+            Err(invalid("trailers too large"))
+        }
         Ok(httparse::Status::Complete((length, fields))) => {
             let mut trailers = HeaderMap::with_capacity(fields.len());
             for field in fields.iter() {
@@ -666,7 +747,8 @@ pub struct ResponseStream {
 impl ResponseStream {
     /// The connection, once the body was read to its end and the exchange left it reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
-        let reusable = self.framing == Framing::Done
+        // A body known to be empty (`HEAD`, 204, 304, `Content-Length: 0`) may never be polled.
+        let reusable = matches!(self.framing, Framing::Done | Framing::Length(0))
             && self.keep_alive
             && self
                 .connection
@@ -898,6 +980,27 @@ mod tests {
                 String::from_utf8_lossy(input)
             );
         }
+    }
+
+    #[test]
+    fn hop_by_hop_fields_are_left_out_unless_connection_names_others() {
+        let mut buffer = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nTransfer-Encoding: chunked\r\nx-a: 1\r\nUpgrade: h2c\r\n\r\n"[..],
+        );
+        let head = parse_head(&mut buffer, false).unwrap().unwrap();
+        let names: Vec<_> = head.headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-a"]);
+        assert_eq!(head.framing, Framing::Chunked(Chunked::Size));
+        assert!(head.keep_alive);
+
+        let mut buffer = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nconnection: keep-alive\r\nconnection: x-secret\r\nx-secret: 1\r\nx-a: 1\r\ncontent-length: 0\r\n\r\n"[..],
+        );
+        let mut head = parse_head(&mut buffer, false).unwrap().unwrap();
+        assert!(head.headers.contains_key("x-secret"));
+        crate::proxy::remove_hop_by_hop(&mut head.headers);
+        let names: Vec<_> = head.headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-a", "content-length"]);
     }
 
     #[test]

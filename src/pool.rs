@@ -17,14 +17,14 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use http::{Request, Response};
+use http::Response;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, ErrorKind};
 use crate::body::UpstreamBody;
 pub use crate::h1::Connection;
-use crate::h1::{ResponseStream, SendError};
+use crate::h1::{RequestHead, ResponseStream, SendError};
 
 /// Idle connections kept per backend; more are closed when they come back.
 pub const MAX_IDLE_PER_BACKEND: usize = 128;
@@ -114,7 +114,7 @@ async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, Err
     Ok(Connection::new(stream))
 }
 
-/// Sends `request` (origin-form, `Host` set) to `backend` over a pooled connection, or a new one
+/// Sends the request `head` with `body` to `backend` over a pooled connection, or a new one
 /// opened within `connect_timeout`. The response body holds the connection; it goes back to the
 /// pool once the body has been read to its end ([`crate::body::ObservedBody`]).
 ///
@@ -122,14 +122,15 @@ async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, Err
 /// be opened (nothing was sent), and [`ErrorKind::Io`] when the exchange failed.
 pub async fn send(
     backend: &Arc<Backend>,
-    mut request: Request<UpstreamBody>,
+    head: RequestHead<'_>,
+    mut body: UpstreamBody,
     connect_timeout: Duration,
 ) -> Result<Response<ResponseStream>, ErrorKind> {
     if let Some(connection) = backend.connections().checkout() {
-        match connection.send(request).await {
+        match connection.send(&head, body).await {
             Ok(response) => return Ok(response),
             // The connection closed before the request could be written: try a new one.
-            Err(SendError::Unsent(unsent)) => request = *unsent,
+            Err(SendError::Unsent(unsent)) => body = unsent,
             Err(SendError::Failed(error)) => {
                 tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");
                 return Err(ErrorKind::Io);
@@ -137,7 +138,7 @@ pub async fn send(
         }
     }
     let connection = connect(backend, connect_timeout).await?;
-    match connection.send(request).await {
+    match connection.send(&head, body).await {
         Ok(response) => Ok(response),
         Err(error) => {
             if let SendError::Failed(error) = error {

@@ -30,9 +30,9 @@ use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{BackendBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody};
 use crate::metrics::RetryReason;
-use crate::pool;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
+use crate::{h1, pool};
 
 /// How requests reach backends over HTTP/1.1: `http://` backends over their own keep-alive
 /// connections ([`crate::pool`]), `https://` ones over a pooled rustls client built on first use
@@ -53,18 +53,21 @@ impl std::fmt::Debug for UpstreamClient {
 }
 
 impl UpstreamClient {
-    /// Sends `request` to `backend`. For an `http://` backend the request must be in origin
-    /// form with its `Host` set; the response body then holds the pooled connection, which goes
-    /// back once the body has been read to its end. For an `https://` backend the URI is made
-    /// absolute here.
+    /// Sends the request `head` with `body` to `backend`. An `http://` backend gets it over a
+    /// pooled connection ([`crate::pool`]), the head written from `head` as it is (so another
+    /// attempt needs no copy of it); the response body then holds the connection, which goes back
+    /// once the body has been read to its end. An `https://` backend gets a request built from
+    /// `head`: its headers are copied unless this is the `last` attempt.
     pub async fn send(
         &self,
         backend: &Arc<Backend>,
-        mut request: Request<UpstreamBody>,
+        head: &mut RequestHead,
+        body: UpstreamBody,
+        last: bool,
     ) -> Result<Response<BackendBody>, ErrorKind> {
         let addr = backend.addr();
         if !addr.is_https() {
-            let response = pool::send(backend, request, self.connect_timeout).await?;
+            let response = pool::send(backend, head.h1(addr), body, self.connect_timeout).await?;
             return Ok(response.map(BackendBody::Pooled));
         }
         let https = self.https.get_or_init(|| {
@@ -75,24 +78,11 @@ impl UpstreamClient {
                 .wrap_connector(http_connector(self.connect_timeout));
             pooled(connector)
         });
-        let path_and_query = request
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        *request.uri_mut() = absolute_uri(addr, path_and_query);
+        let request = head.tls_request(addr, body, last);
         match https.request(request).await {
             Ok(response) => Ok(response.map(BackendBody::Tls)),
             Err(error) => Err(classify(&error)),
         }
-    }
-
-    /// A bodiless `GET path` for `addr`, ready for [`UpstreamClient::send`].
-    pub fn get(addr: &BackendAddr, path: &str) -> Option<Request<UpstreamBody>> {
-        Request::get(path)
-            .header(header::HOST, host_value(addr))
-            .body(UpstreamBody::full(bytes::Bytes::new()))
-            .ok()
     }
 }
 
@@ -107,14 +97,13 @@ fn absolute_uri(addr: &BackendAddr, path_and_query: PathAndQuery) -> Uri {
 
 /// The `Host` a request to `addr` carries when the client sent none: the host, and the port
 /// unless it is the scheme's default.
-fn host_value(addr: &BackendAddr) -> HeaderValue {
+fn host_text(addr: &BackendAddr) -> &str {
     let authority = addr.authority();
     let default_port = if addr.is_https() { 443 } else { 80 };
-    let text = match authority.port_u16() {
+    match authority.port_u16() {
         Some(port) if port != default_port => authority.as_str(),
         _ => authority.host(),
-    };
-    HeaderValue::from_str(text).expect("an authority is a valid header value")
+    }
 }
 
 fn http_connector(connect_timeout: Duration) -> HttpConnector {
@@ -327,32 +316,49 @@ impl RequestHead {
         }
     }
 
-    /// The request for one attempt to `addr`: origin form (authority form for `CONNECT`) with
-    /// the backend's `Host` if the client sent none. The headers are copied when another
-    /// attempt may follow, and moved into the last one.
-    fn request_to(
+    /// A bodiless `GET path` with no header fields (a health probe's request).
+    pub fn probe(path: &str) -> Option<Self> {
+        Some(Self {
+            method: Method::GET,
+            path_and_query: PathAndQuery::try_from(path).ok()?,
+            headers: HeaderMap::new(),
+            has_host: false,
+        })
+    }
+
+    /// The head for one attempt to the plain-HTTP backend `addr`: origin form (authority form
+    /// for `CONNECT`), with the backend's `Host` if the client sent none.
+    fn h1<'a>(&'a self, addr: &'a BackendAddr) -> h1::RequestHead<'a> {
+        h1::RequestHead {
+            method: &self.method,
+            target: if self.method == Method::CONNECT {
+                addr.authority().as_str()
+            } else {
+                self.path_and_query.as_str()
+            },
+            headers: &self.headers,
+            host: (!self.has_host).then(|| host_text(addr)),
+        }
+    }
+
+    /// The request for one attempt to the `https://` backend `addr`, with an absolute URI (the
+    /// TLS client sets `Host` from it when the client sent none). The headers are copied when
+    /// another attempt may follow, and moved into the `last` one.
+    fn tls_request(
         &mut self,
         addr: &BackendAddr,
         body: UpstreamBody,
         last: bool,
     ) -> Request<UpstreamBody> {
-        let uri = if self.method == Method::CONNECT && !addr.is_https() {
-            Uri::from(addr.authority().clone())
-        } else {
-            Uri::from(self.path_and_query.clone())
-        };
         let mut request = Request::new(body);
         *request.method_mut() = self.method.clone();
-        *request.uri_mut() = uri;
+        *request.uri_mut() = absolute_uri(addr, self.path_and_query.clone());
         *request.version_mut() = Version::HTTP_11;
         *request.headers_mut() = if last {
             std::mem::take(&mut self.headers)
         } else {
             self.headers.clone()
         };
-        if !self.has_host && !addr.is_https() {
-            request.headers_mut().insert(header::HOST, host_value(addr));
-        }
         request
     }
 }
@@ -397,12 +403,14 @@ fn is_busy(status: StatusCode, retry_after: Option<Duration>) -> bool {
 /// Sends one attempt to the leased backend.
 async fn attempt(
     client: &UpstreamClient,
-    request: Request<UpstreamBody>,
+    head: &mut RequestHead,
+    body: UpstreamBody,
+    last: bool,
     lease: Lease,
-    may_retry_busy: bool,
     first_byte_timeout: Option<Duration>,
 ) -> Attempt {
-    let sent = client.send(lease.backend(), request);
+    let may_retry_busy = !last;
+    let sent = client.send(lease.backend(), head, body, last);
     let answer = match first_byte_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
             Ok(answer) => answer,
@@ -567,13 +575,13 @@ pub async fn proxy(
         let Some(upstream_body) = body.for_attempt() else {
             return response::error(StatusCode::BAD_GATEWAY, "request body already sent");
         };
-        let request = head.request_to(backend.addr(), upstream_body, last);
         tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
         let reason = match attempt(
             balancer.client(),
-            request,
+            &mut head,
+            upstream_body,
+            last,
             lease,
-            !last,
             policy.first_byte_timeout,
         )
         .await

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -141,8 +142,15 @@ impl Router {
             .http2()
             .timer(TokioTimer::new())
             .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
+        let mut http1 = http1::Builder::new();
+        http1
+            .timer(TokioTimer::new())
+            .keep_alive(true)
+            .header_read_timeout(Duration::from_secs_f64(config.header_read_timeout))
+            .max_buf_size(config.max_header_bytes);
         let acceptor = Acceptor {
             header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
+            http1,
             max_header_bytes: config.max_header_bytes,
             listener,
             builder,
@@ -187,6 +195,9 @@ struct Acceptor {
     header_read_timeout: Duration,
     max_header_bytes: usize,
     listener: TcpListener,
+    /// HTTP/1 connections (a request line cannot start as the HTTP/2 preface does).
+    http1: http1::Builder,
+    /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
     builder: auto::Builder<TokioExecutor>,
     graceful: GracefulShutdown,
     slots: Arc<Semaphore>,
@@ -222,6 +233,7 @@ impl Acceptor {
         let shared = Arc::clone(&self.shared);
         let client = Arc::new(ForwardedFor::new(peer));
         let builder = self.builder.clone();
+        let http1 = self.http1.clone();
         let watcher = self.graceful.watcher();
         let first_byte_within = self.header_read_timeout;
         let header_limit = self.max_header_bytes;
@@ -245,8 +257,16 @@ impl Acceptor {
                     Ok(route(&shared, request, &client).await)
                 }
             });
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            if let Err(error) = watcher.watch(connection.into_owned()).await {
+            // The HTTP/2 preface starts with `P`; any other first byte is an HTTP/1 request (or
+            // garbage hyper's HTTP/1 parser answers), served without detecting the version.
+            let served = if first[0] == b'P' {
+                let connection = builder.serve_connection(TokioIo::new(stream), service);
+                watcher.watch(connection.into_owned()).await
+            } else {
+                let connection = http1.serve_connection(TokioIo::new(stream), service);
+                watcher.watch(connection).await.map_err(Into::into)
+            };
+            if let Err(error) = served {
                 tracing::debug!(%peer, error = %error, "connection ended with an error");
             }
             drop(slot);

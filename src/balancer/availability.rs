@@ -18,12 +18,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::StatusCode;
 use tokio::time::Instant;
 
 use super::{Balancer, Queue};
 use crate::backend::Backend;
-use crate::proxy::UpstreamClient;
+use crate::body::UpstreamBody;
+use crate::proxy::RequestHead;
 
 /// How an attempt's outcome bears on the backend's availability.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -218,12 +220,13 @@ impl Balancer {
             return true;
         };
         let addr = backend.addr();
-        let Some(request) = UpstreamClient::get(addr, path) else {
+        let Some(mut head) = RequestHead::probe(path) else {
             return false;
         };
         let answer = tokio::time::timeout(
             self.tuning.health_check_timeout,
-            self.client.send(backend, request),
+            self.client
+                .send(backend, &mut head, UpstreamBody::full(Bytes::new()), true),
         )
         .await;
         let passed = matches!(&answer, Ok(Ok(response)) if response.status().is_success());

@@ -94,14 +94,45 @@ impl Connection {
     ) -> Result<Response<ResponseStream>, SendError> {
         let chunked = encode_head(&mut self.write, head, &body);
         let head_request = *head.method == Method::HEAD;
-        let outcome = {
+        // A body in memory goes behind the head, in the same write when it is small.
+        let mut rest_of_body = None;
+        if let UpstreamBody::Full { bytes: Some(bytes) } = &body {
+            if bytes.len() <= COALESCE_BODY {
+                self.write.extend_from_slice(bytes);
+            } else {
+                rest_of_body = Some(bytes.clone());
+            }
+        }
+        // The first write tells whether the connection still takes requests; most requests
+        // fit in it whole, and then only the answer is left to wait for.
+        let written = match self.stream.try_write(&self.write) {
+            Ok(0) => return Err(SendError::Unsent(body)),
+            Ok(written) => written,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(_) => return Err(SendError::Unsent(body)),
+        };
+        let whole = written == self.write.len()
+            && rest_of_body.is_none()
+            && matches!(body, UpstreamBody::Full { .. });
+        let outcome = if whole {
+            let (mut reader, _) = self.stream.split();
+            Outcome::Answered(
+                read_head(&mut reader, &mut self.read, head_request).await,
+                true,
+            )
+        } else {
             let Connection {
                 stream,
                 read,
                 write,
             } = &mut self;
             let (mut reader, mut writer) = stream.split();
-            let sending = write_request(&mut writer, write, &mut body, chunked);
+            let pending = Pending {
+                head: &write[written..],
+                rest_of_body,
+                first: written == 0,
+            };
+            let sending = write_request(&mut writer, pending, &mut body, chunked);
             let receiving = read_head(&mut reader, read, head_request);
             tokio::pin!(sending, receiving);
             tokio::select! {
@@ -251,36 +282,40 @@ impl ItoaBuffer {
     }
 }
 
-/// Writes the encoded head in `head` and then the body.
+/// What is left to write of a request after the first write.
+struct Pending<'a> {
+    /// The rest of the encoded head (and of the body, when it was copied behind it).
+    head: &'a [u8],
+    /// A body in memory too large to copy behind the head.
+    rest_of_body: Option<Bytes>,
+    /// Whether nothing was written yet (the first write then tells whether the connection still
+    /// takes requests).
+    first: bool,
+}
+
+/// Writes what is left of the head, then the body.
 async fn write_request(
     writer: &mut WriteHalf<'_>,
-    head: &mut Vec<u8>,
+    pending: Pending<'_>,
     body: &mut UpstreamBody,
     chunked: bool,
 ) -> Result<(), WriteError> {
-    let mut rest_of_body = None;
-    if let UpstreamBody::Full { bytes: Some(bytes) } = body {
-        if bytes.len() <= COALESCE_BODY {
-            head.extend_from_slice(bytes);
-        } else {
-            rest_of_body = Some(bytes.clone());
+    let mut head = pending.head;
+    if pending.first {
+        match writer.write(head).await {
+            Ok(0) | Err(_) => return Err(WriteError::Unsent),
+            Ok(written) => head = &head[written..],
         }
     }
-    // The first write tells whether the connection still takes requests.
-    let written = match writer.write(head).await {
-        Ok(0) | Err(_) => return Err(WriteError::Unsent),
-        Ok(written) => written,
-    };
-    writer
-        .write_all(&head[written..])
-        .await
-        .map_err(WriteError::Io)?;
-    if let Some(bytes) = rest_of_body {
+    writer.write_all(head).await.map_err(WriteError::Io)?;
+    if let Some(bytes) = pending.rest_of_body {
         return writer.write_all(&bytes).await.map_err(WriteError::Io);
     }
     if let UpstreamBody::Full { .. } = body {
         return Ok(());
     }
+    // Chunk framing is written into its own small buffer (streamed bodies are rare).
+    let mut framing: Vec<u8> = Vec::new();
     // A streamed body: each frame as it comes, chunk-framed when the length is not known.
     let mut trailers = None;
     loop {
@@ -301,16 +336,16 @@ async fn write_request(
             continue;
         }
         if chunked {
-            head.clear();
-            head.extend_from_slice(format_hex(data.len()).as_bytes());
-            head.extend_from_slice(b"\r\n");
+            framing.clear();
+            framing.extend_from_slice(format_hex(data.len()).as_bytes());
+            framing.extend_from_slice(b"\r\n");
             if data.len() <= COALESCE_BODY {
-                head.extend_from_slice(&data);
-                head.extend_from_slice(b"\r\n");
-                writer.write_all(head).await.map_err(WriteError::Io)?;
+                framing.extend_from_slice(&data);
+                framing.extend_from_slice(b"\r\n");
+                writer.write_all(&framing).await.map_err(WriteError::Io)?;
                 continue;
             }
-            writer.write_all(head).await.map_err(WriteError::Io)?;
+            writer.write_all(&framing).await.map_err(WriteError::Io)?;
             writer.write_all(&data).await.map_err(WriteError::Io)?;
             writer.write_all(b"\r\n").await.map_err(WriteError::Io)?;
         } else {
@@ -318,16 +353,16 @@ async fn write_request(
         }
     }
     if chunked {
-        head.clear();
-        head.extend_from_slice(b"0\r\n");
+        framing.clear();
+        framing.extend_from_slice(b"0\r\n");
         for (name, value) in trailers.iter().flatten() {
-            head.extend_from_slice(name.as_str().as_bytes());
-            head.extend_from_slice(b": ");
-            head.extend_from_slice(value.as_bytes());
-            head.extend_from_slice(b"\r\n");
+            framing.extend_from_slice(name.as_str().as_bytes());
+            framing.extend_from_slice(b": ");
+            framing.extend_from_slice(value.as_bytes());
+            framing.extend_from_slice(b"\r\n");
         }
-        head.extend_from_slice(b"\r\n");
-        writer.write_all(head).await.map_err(WriteError::Io)?;
+        framing.extend_from_slice(b"\r\n");
+        writer.write_all(&framing).await.map_err(WriteError::Io)?;
     }
     Ok(())
 }

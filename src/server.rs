@@ -240,11 +240,12 @@ impl Acceptor {
         tokio::spawn(async move {
             // A client that connects and sends nothing does not keep a connection slot: hyper's
             // header timeout only starts once the protocol is known.
-            let mut first = [0u8; 1];
-            match tokio::time::timeout(first_byte_within, stream.peek(&mut first)).await {
-                Ok(Ok(read)) if read > 0 => {}
-                _ => return,
-            }
+            let mut first = [0u8; 3];
+            let peeked =
+                match tokio::time::timeout(first_byte_within, stream.peek(&mut first)).await {
+                    Ok(Ok(read)) if read > 0 => read,
+                    _ => return,
+                };
             let (stream, conflict) = Inspected::new(stream, header_limit);
             let service = service_fn(move |request| {
                 let shared = Arc::clone(&shared);
@@ -257,9 +258,10 @@ impl Acceptor {
                     Ok(route(&shared, request, &client).await)
                 }
             });
-            // The HTTP/2 preface starts with `P`; any other first byte is an HTTP/1 request (or
-            // garbage hyper's HTTP/1 parser answers), served without detecting the version.
-            let served = if first[0] == b'P' {
+            // Only the HTTP/2 preface starts with `PRI` (a method HTTP/1 reserves for it): any
+            // other start is an HTTP/1 request (or garbage hyper's HTTP/1 parser answers), served
+            // without detecting the version.
+            let served = if b"PRI".starts_with(&first[..peeked]) {
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
                 watcher.watch(connection.into_owned()).await
             } else {

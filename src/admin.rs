@@ -7,13 +7,12 @@ use std::net::IpAddr;
 use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::backend::{Backend, BackendAddr};
 use crate::balancer::Balancer;
-use crate::body::ResponseBody;
+use crate::body::{ClientBody, ResponseBody};
 use crate::cidr::Cidr;
 use crate::response;
 
@@ -49,7 +48,7 @@ pub struct AdminPolicy {
 
 impl AdminPolicy {
     /// Whether the request carries the configured bearer token (or none is configured).
-    fn authorizes(&self, request: &Request<Incoming>) -> bool {
+    fn authorizes(&self, request: &Request<ClientBody>) -> bool {
         let Some(token) = &self.token else {
             return true;
         };
@@ -107,7 +106,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub async fn handle(
     balancer: &Arc<Balancer>,
     policy: &AdminPolicy,
-    request: Request<Incoming>,
+    request: Request<ClientBody>,
 ) -> Response<ResponseBody> {
     let allowed = match request.uri().path() {
         SET_BACKENDS => Method::POST,
@@ -143,7 +142,7 @@ pub async fn handle(
 async fn set_backends(
     balancer: &Arc<Balancer>,
     policy: &AdminPolicy,
-    request: Request<Incoming>,
+    request: Request<ClientBody>,
 ) -> Response<ResponseBody> {
     if !policy.authorizes(&request) {
         let mut answer = response::error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");

@@ -20,6 +20,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
+use crate::h1::server::RequestStream;
 use crate::h1::{Connection, ResponseStream};
 
 /// What the router answers with: a proxied body or one it wrote itself.
@@ -80,6 +81,68 @@ impl Body for BackendBody {
 
 /// A body error, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A client's request body: read whole by the HTTP/1 server, streamed from its connection, or
+/// from hyper (HTTP/2 connections).
+#[derive(Debug)]
+pub enum ClientBody {
+    /// The whole body, read with the head (`None` once taken).
+    Full(Option<Bytes>),
+    /// Read from the HTTP/1 connection as it is polled.
+    Streaming(RequestStream),
+    /// From hyper's server.
+    Hyper(Incoming),
+}
+
+impl ClientBody {
+    /// An empty body.
+    pub fn empty() -> Self {
+        ClientBody::Full(None)
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ClientBody::Full(bytes) => Poll::Ready(
+                bytes
+                    .take()
+                    .filter(|bytes| !bytes.is_empty())
+                    .map(|bytes| Ok(Frame::data(bytes))),
+            ),
+            ClientBody::Streaming(stream) => Pin::new(stream)
+                .poll_frame(cx)
+                .map_err(|error| Box::new(error) as BoxError),
+            ClientBody::Hyper(incoming) => Pin::new(incoming)
+                .poll_frame(cx)
+                .map_err(|error| Box::new(error) as BoxError),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ClientBody::Full(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
+            ClientBody::Streaming(stream) => stream.is_end_stream(),
+            ClientBody::Hyper(incoming) => incoming.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ClientBody::Full(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+            }
+            ClientBody::Streaming(stream) => stream.size_hint(),
+            ClientBody::Hyper(incoming) => incoming.size_hint(),
+        }
+    }
+}
 
 /// An upstream response body that finishes its lease at end of stream.
 #[derive(Debug)]
@@ -191,7 +254,7 @@ pin_project_lite::pin_project! {
         /// The whole body, in memory (`None` once sent).
         Full { bytes: Option<Bytes> },
         /// What was read so far, then the rest as the client sends it.
-        Streaming { prefix: Option<Bytes>, #[pin] rest: Incoming },
+        Streaming { prefix: Option<Bytes>, #[pin] rest: ClientBody },
     }
 }
 
@@ -204,12 +267,12 @@ impl UpstreamBody {
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project() {
             UpstreamBodyProjection::Full { bytes } => Poll::Ready(
                 bytes
@@ -300,7 +363,7 @@ pub enum RequestBody {
     /// buffering budget until the request is done.
     Replayable(Bytes, Option<OwnedSemaphorePermit>),
     /// Larger than the limit: sent once, streamed.
-    Streaming(Option<Bytes>, Incoming),
+    Streaming(Option<Bytes>, ClientBody),
     /// The stream was handed to an attempt; there is nothing left to send.
     Consumed,
 }
@@ -310,10 +373,10 @@ impl RequestBody {
     /// KiB) has room; otherwise keeps what was read and streams the rest. A body announced
     /// larger than `limit` is not read at all.
     pub async fn read(
-        mut body: Incoming,
+        mut body: ClientBody,
         limit: usize,
         budget: &Arc<Semaphore>,
-    ) -> Result<Self, hyper::Error> {
+    ) -> Result<Self, BoxError> {
         if body.is_end_stream() {
             return Ok(RequestBody::Replayable(Bytes::new(), None));
         }

@@ -19,7 +19,6 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::Either;
-use hyper::body::Incoming;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -28,7 +27,7 @@ use rustls::pki_types::CertificateDer;
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
-use crate::body::{BackendBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody};
+use crate::body::{BackendBody, ClientBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody};
 use crate::metrics::RetryReason;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
@@ -506,7 +505,7 @@ fn is_idempotent(method: &Method) -> bool {
 pub async fn proxy(
     balancer: &Arc<Balancer>,
     policy: &ProxyPolicy,
-    request: Request<Incoming>,
+    request: Request<ClientBody>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
     let (parts, body) = request.into_parts();

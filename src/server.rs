@@ -8,20 +8,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
-use hyper::body::Incoming;
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::admin::{self, AdminPolicy};
 use crate::balancer::Balancer;
-use crate::body::ResponseBody;
+use crate::body::{ClientBody, ResponseBody};
 use crate::config::Settings;
 use crate::framing::Inspected;
+use crate::h1;
 use crate::metrics::MetricsError;
 use crate::pool;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
@@ -142,19 +141,17 @@ impl Router {
             .http2()
             .timer(TokioTimer::new())
             .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
-        let mut http1 = http1::Builder::new();
-        http1
-            .timer(TokioTimer::new())
-            .keep_alive(true)
-            .header_read_timeout(Duration::from_secs_f64(config.header_read_timeout))
-            .max_buf_size(config.max_header_bytes);
+        let (open, mut all_closed) = mpsc::channel::<()>(1);
         let acceptor = Acceptor {
-            header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
-            http1,
-            max_header_bytes: config.max_header_bytes,
+            limits: h1::server::Limits {
+                header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
+                max_header_bytes: config.max_header_bytes,
+            },
             listener,
             builder,
             graceful: GracefulShutdown::new(),
+            draining: watch::channel(false).0,
+            open,
             slots: Arc::new(Semaphore::new(config.max_connections)),
             shared: Arc::clone(&shared),
         };
@@ -173,14 +170,25 @@ impl Router {
             acceptor.accept_until(tokio::time::sleep(delay)).await;
         }
         let Acceptor {
-            listener, graceful, ..
+            listener,
+            graceful,
+            draining,
+            open,
+            ..
         } = acceptor;
         drop(listener);
         tracing::info!(
             timeout_s = config.shutdown_timeout,
             "listener closed, waiting for in-flight requests"
         );
-        match tokio::time::timeout(settings.shutdown_timeout(), graceful.shutdown()).await {
+        // HTTP/1 connections close once their current response is written (at once when idle);
+        // each holds a clone of `open`, so `all_closed` ends when the last one has.
+        draining.send_replace(true);
+        drop(open);
+        let finished = async {
+            tokio::join!(graceful.shutdown(), all_closed.recv());
+        };
+        match tokio::time::timeout(settings.shutdown_timeout(), finished).await {
             Ok(()) => tracing::info!("all connections finished"),
             Err(_) => tracing::warn!("shutdown timeout reached with connections still open"),
         }
@@ -192,13 +200,16 @@ impl Router {
 /// The accept loop's state: at most `max_connections` connections are served at once; further
 /// clients wait in the listen backlog.
 struct Acceptor {
-    header_read_timeout: Duration,
-    max_header_bytes: usize,
+    /// What HTTP/1 connections are held to; the header timeout also bounds the wait for a new
+    /// connection's first byte.
+    limits: h1::server::Limits,
     listener: TcpListener,
-    /// HTTP/1 connections (a request line cannot start as the HTTP/2 preface does).
-    http1: http1::Builder,
     /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
     builder: auto::Builder<TokioExecutor>,
+    /// Tells HTTP/1 connections the router drains.
+    draining: watch::Sender<bool>,
+    /// Held by each HTTP/1 connection until it ends.
+    open: mpsc::Sender<()>,
     graceful: GracefulShutdown,
     slots: Arc<Semaphore>,
     shared: Arc<Shared>,
@@ -233,20 +244,35 @@ impl Acceptor {
         let shared = Arc::clone(&self.shared);
         let client = Arc::new(ForwardedFor::new(peer));
         let builder = self.builder.clone();
-        let http1 = self.http1.clone();
+        let limits = self.limits;
+        let draining = self.draining.subscribe();
+        let open = self.open.clone();
         let watcher = self.graceful.watcher();
-        let first_byte_within = self.header_read_timeout;
-        let header_limit = self.max_header_bytes;
         tokio::spawn(async move {
-            // A client that connects and sends nothing does not keep a connection slot: hyper's
-            // header timeout only starts once the protocol is known.
+            // A client that connects and sends nothing does not keep a connection slot.
             let mut first = [0u8; 3];
             let peeked =
-                match tokio::time::timeout(first_byte_within, stream.peek(&mut first)).await {
+                match tokio::time::timeout(limits.header_read_timeout, stream.peek(&mut first))
+                    .await
+                {
                     Ok(Ok(read)) if read > 0 => read,
                     _ => return,
                 };
-            let (stream, conflict) = Inspected::new(stream, header_limit);
+            // Only the HTTP/2 preface starts with `PRI` (a method HTTP/1 reserves for it): any
+            // other start is an HTTP/1 request (or garbage, answered 400).
+            if !b"PRI".starts_with(&first[..peeked]) {
+                h1::server::serve(stream, limits, draining, |request| {
+                    let shared = Arc::clone(&shared);
+                    let client = Arc::clone(&client);
+                    async move { route(&shared, request, &client).await }
+                })
+                .await;
+                drop(open);
+                drop(slot);
+                return;
+            }
+            drop(open);
+            let (stream, conflict) = Inspected::new(stream, limits.max_header_bytes);
             let service = service_fn(move |request| {
                 let shared = Arc::clone(&shared);
                 let client = Arc::clone(&client);
@@ -255,20 +281,11 @@ impl Acceptor {
                     if conflict.seen() {
                         return Ok::<_, Infallible>(conflicting_framing());
                     }
-                    Ok(route(&shared, request, &client).await)
+                    Ok(route(&shared, request.map(ClientBody::Hyper), &client).await)
                 }
             });
-            // Only the HTTP/2 preface starts with `PRI` (a method HTTP/1 reserves for it): any
-            // other start is an HTTP/1 request (or garbage hyper's HTTP/1 parser answers), served
-            // without detecting the version.
-            let served = if b"PRI".starts_with(&first[..peeked]) {
-                let connection = builder.serve_connection(TokioIo::new(stream), service);
-                watcher.watch(connection.into_owned()).await
-            } else {
-                let connection = http1.serve_connection(TokioIo::new(stream), service);
-                watcher.watch(connection).await.map_err(Into::into)
-            };
-            if let Err(error) = served {
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(error) = watcher.watch(connection.into_owned()).await {
                 tracing::debug!(%peer, error = %error, "connection ended with an error");
             }
             drop(slot);
@@ -292,7 +309,7 @@ fn conflicting_framing() -> Response<ResponseBody> {
 
 async fn route(
     shared: &Shared,
-    request: Request<Incoming>,
+    request: Request<ClientBody>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
     if admin::is_admin_path(request.uri().path()) {

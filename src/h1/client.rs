@@ -15,8 +15,8 @@
 //! `Content-Length`, or the end of the connection. Interim (1xx) responses are skipped. A
 //! connection is reused only when both messages were complete, the response did not ask to close,
 //! and no byte followed the response. Every buffer is bounded: a response head by
-//! [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`], a chunk-size line and a trailer block by
-//! [`MAX_LINE_BYTES`] and [`MAX_HEAD_BYTES`].
+//! [`MAX_HEAD_BYTES`](super::MAX_HEAD_BYTES) and [`MAX_HEADERS`](super::MAX_HEADERS), a chunk-size
+//! line and a trailer block by [`MAX_LINE_BYTES`](super::MAX_LINE_BYTES) and `MAX_HEAD_BYTES`.
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -31,14 +31,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
+use super::{
+    Chunked, Decoded, Hop, MAX_HEAD_BYTES, MAX_HEADERS, decode_chunked, format_hex, hop_by_hop,
+    invalid, itoa_u64, parse_content_length,
+};
 use crate::body::UpstreamBody;
-
-/// Largest response head (or trailer block) accepted from a backend, in bytes.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// Most header fields accepted in a response head or trailer block.
-pub const MAX_HEADERS: usize = 100;
-/// Longest chunk-size line accepted (extensions included).
-pub const MAX_LINE_BYTES: usize = 4096;
 
 /// Room kept free in the read buffer before a read; it grows by [`READ_BUFFER`] when less is left.
 const MIN_READ: usize = 1024;
@@ -254,34 +251,6 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
     chunked
 }
 
-/// Decimal text of `value` (a `Content-Length`), without allocating.
-fn itoa_u64(value: u64) -> ItoaBuffer {
-    let mut buffer = ItoaBuffer {
-        digits: [0; 20],
-        start: 20,
-    };
-    let mut rest = value;
-    loop {
-        buffer.start -= 1;
-        buffer.digits[buffer.start] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            return buffer;
-        }
-    }
-}
-
-struct ItoaBuffer {
-    digits: [u8; 20],
-    start: usize,
-}
-
-impl ItoaBuffer {
-    fn as_bytes(&self) -> &[u8] {
-        &self.digits[self.start..]
-    }
-}
-
 /// What is left to write of a request after the first write.
 struct Pending<'a> {
     /// The rest of the encoded head (and of the body, when it was copied behind it).
@@ -367,33 +336,6 @@ async fn write_request(
     Ok(())
 }
 
-fn format_hex(value: usize) -> HexBuffer {
-    let mut buffer = HexBuffer {
-        digits: [0; 16],
-        start: 16,
-    };
-    let mut rest = value;
-    loop {
-        buffer.start -= 1;
-        buffer.digits[buffer.start] = b"0123456789abcdef"[rest & 0xf];
-        rest >>= 4;
-        if rest == 0 {
-            return buffer;
-        }
-    }
-}
-
-struct HexBuffer {
-    digits: [u8; 16],
-    start: usize,
-}
-
-impl HexBuffer {
-    fn as_bytes(&self) -> &[u8] {
-        &self.digits[self.start..]
-    }
-}
-
 /// A parsed response head.
 struct Head {
     status: StatusCode,
@@ -401,10 +343,6 @@ struct Head {
     headers: HeaderMap,
     framing: Framing,
     keep_alive: bool,
-}
-
-fn invalid(message: &'static str) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, message)
 }
 
 /// Reads until a final response head is complete; interim (1xx) responses are passed over.
@@ -572,57 +510,6 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
     }))
 }
 
-/// The hop-by-hop fields (RFC 9110 §7.6.1, and those the proxy also drops).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hop {
-    Connection,
-    TransferEncoding,
-    Other,
-}
-
-fn hop_by_hop(name: &[u8]) -> Option<Hop> {
-    const OTHERS: [&[u8]; 6] = [
-        b"keep-alive",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"proxy-connection",
-        b"proxy-authorization",
-    ];
-    // Lengths first: most names are ruled out without comparing them.
-    if !matches!(name.len(), 2 | 7 | 10 | 16 | 17 | 19) {
-        return None;
-    }
-    if name.eq_ignore_ascii_case(b"connection") {
-        Some(Hop::Connection)
-    } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-        Some(Hop::TransferEncoding)
-    } else if OTHERS.iter().any(|hop| name.eq_ignore_ascii_case(hop)) {
-        Some(Hop::Other)
-    } else {
-        None
-    }
-}
-
-/// A `Content-Length` value: digits, or a list of the same digits (`5, 5`).
-fn parse_content_length(value: &[u8]) -> io::Result<u64> {
-    let mut length: Option<u64> = None;
-    for item in value.split(|&b| b == b',') {
-        let item = item.trim_ascii();
-        if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
-            return Err(invalid("invalid content-length"));
-        }
-        let parsed = item
-            .iter()
-            .fold(0u64, |total, digit| total * 10 + u64::from(digit - b'0'));
-        if length.is_some_and(|seen| seen != parsed) {
-            return Err(invalid("conflicting content-length"));
-        }
-        length = Some(parsed);
-    }
-    length.ok_or_else(|| invalid("invalid content-length"))
-}
-
 /// How the rest of a response body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Framing {
@@ -636,139 +523,6 @@ enum Framing {
     Done,
     /// The body failed; the connection is not reused.
     Failed,
-}
-
-/// Where the chunked decoder is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunked {
-    /// At a chunk-size line.
-    Size,
-    /// Inside a chunk, with this many bytes left.
-    Data(u64),
-    /// After a chunk's data, at its line end.
-    DataEnd,
-    /// After the last chunk, at the trailer block.
-    Trailers,
-}
-
-/// What the chunked decoder found in the buffer.
-#[derive(Debug)]
-enum Decoded {
-    Data(Bytes),
-    Trailers(HeaderMap),
-    End,
-    /// More bytes are needed.
-    More,
-}
-
-/// Decodes the next piece of a chunked body from `buffer`.
-fn decode_chunked(state: &mut Chunked, buffer: &mut BytesMut) -> io::Result<Decoded> {
-    loop {
-        match *state {
-            Chunked::Size => {
-                let Some(end) = memchr::memchr(b'\n', buffer) else {
-                    if buffer.len() > MAX_LINE_BYTES {
-                        return Err(invalid("chunk-size line too long"));
-                    }
-                    return Ok(Decoded::More);
-                };
-                if end > MAX_LINE_BYTES {
-                    return Err(invalid("chunk-size line too long"));
-                }
-                let line = &buffer[..end];
-                let line = line.strip_suffix(b"\r").unwrap_or(line);
-                let size = line
-                    .split(|&b| b == b';')
-                    .next()
-                    .unwrap_or(b"")
-                    .trim_ascii();
-                if size.is_empty() || size.len() > 15 || !size.iter().all(u8::is_ascii_hexdigit) {
-                    return Err(invalid("invalid chunk size"));
-                }
-                let size = size.iter().fold(0u64, |total, &digit| {
-                    total * 16 + u64::from((digit as char).to_digit(16).unwrap_or(0))
-                });
-                buffer.advance(end + 1);
-                *state = if size == 0 {
-                    Chunked::Trailers
-                } else {
-                    Chunked::Data(size)
-                };
-            }
-            Chunked::Data(left) => {
-                if buffer.is_empty() {
-                    return Ok(Decoded::More);
-                }
-                let taken = buffer
-                    .len()
-                    .min(usize::try_from(left).unwrap_or(usize::MAX));
-                *state = if taken as u64 == left {
-                    Chunked::DataEnd
-                } else {
-                    Chunked::Data(left - taken as u64)
-                };
-                return Ok(Decoded::Data(buffer.split_to(taken).freeze()));
-            }
-            Chunked::DataEnd => match buffer.first() {
-                None => return Ok(Decoded::More),
-                Some(b'\n') => {
-                    buffer.advance(1);
-                    *state = Chunked::Size;
-                }
-                Some(b'\r') => match buffer.get(1) {
-                    None => return Ok(Decoded::More),
-                    Some(b'\n') => {
-                        buffer.advance(2);
-                        *state = Chunked::Size;
-                    }
-                    Some(_) => return Err(invalid("chunk data longer than its size")),
-                },
-                Some(_) => return Err(invalid("chunk data longer than its size")),
-            },
-            Chunked::Trailers => return decode_trailers(buffer),
-        }
-    }
-}
-
-/// The trailer block after the last chunk: nothing (an empty line) or header fields.
-fn decode_trailers(buffer: &mut BytesMut) -> io::Result<Decoded> {
-    match buffer.first() {
-        None => return Ok(Decoded::More),
-        Some(b'\n') => {
-            buffer.advance(1);
-            return Ok(Decoded::End);
-        }
-        Some(b'\r') => match buffer.get(1) {
-            None => return Ok(Decoded::More),
-            Some(b'\n') => {
-                buffer.advance(2);
-                return Ok(Decoded::End);
-            }
-            Some(_) => return Err(invalid("malformed trailers")),
-        },
-        Some(_) => {}
-    }
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    match httparse::parse_headers(buffer, &mut fields) {
-        Ok(httparse::Status::Complete((length, _))) if length > MAX_HEAD_BYTES => {
-            Err(invalid("trailers too large"))
-        }
-        Ok(httparse::Status::Complete((length, fields))) => {
-            let mut trailers = HeaderMap::with_capacity(fields.len());
-            for field in fields.iter() {
-                let name = HeaderName::from_bytes(field.name.as_bytes())
-                    .map_err(|_| invalid("invalid trailer name"))?;
-                let value = HeaderValue::from_bytes(field.value)
-                    .map_err(|_| invalid("invalid trailer value"))?;
-                trailers.append(name, value);
-            }
-            buffer.advance(length);
-            Ok(Decoded::Trailers(trailers))
-        }
-        Ok(httparse::Status::Partial) if buffer.len() < MAX_HEAD_BYTES => Ok(Decoded::More),
-        Ok(httparse::Status::Partial) => Err(invalid("trailers too large")),
-        Err(_) => Err(invalid("malformed trailers")),
-    }
 }
 
 /// A response body read from its connection as it is polled.
@@ -890,67 +644,6 @@ impl Body for ResponseStream {
 mod tests {
     use super::*;
 
-    fn decode_all(input: &[u8], split: usize) -> io::Result<(Vec<u8>, Option<HeaderMap>, bool)> {
-        let mut state = Chunked::Size;
-        let mut buffer = BytesMut::new();
-        let mut body = Vec::new();
-        let mut trailers = None;
-        for piece in input.chunks(split.max(1)) {
-            buffer.extend_from_slice(piece);
-            loop {
-                match decode_chunked(&mut state, &mut buffer)? {
-                    Decoded::Data(data) => body.extend_from_slice(&data),
-                    Decoded::Trailers(map) => {
-                        trailers = Some(map);
-                        return Ok((body, trailers, true));
-                    }
-                    Decoded::End => return Ok((body, trailers, true)),
-                    Decoded::More => break,
-                }
-            }
-        }
-        Ok((body, trailers, false))
-    }
-
-    #[test]
-    fn chunked_bodies_decode_however_they_are_split() {
-        let input = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n";
-        for split in 1..input.len() {
-            let (body, trailers, ended) = decode_all(input, split).unwrap();
-            assert_eq!(body, b"hello, world", "split {split}");
-            assert!(trailers.is_none());
-            assert!(ended);
-        }
-    }
-
-    #[test]
-    fn chunked_trailers_and_bare_line_feeds_are_read() {
-        let input = b"3\nabc\n0\r\nx-checksum: 42\r\nx-other: y\r\n\r\n";
-        for split in 1..input.len() {
-            let (body, trailers, ended) = decode_all(input, split).unwrap();
-            assert_eq!(body, b"abc");
-            let trailers = trailers.expect("trailers");
-            assert_eq!(trailers["x-checksum"], "42");
-            assert_eq!(trailers["x-other"], "y");
-            assert!(ended);
-        }
-    }
-
-    #[test]
-    fn malformed_chunked_bodies_are_errors() {
-        for input in [
-            &b"zz\r\n"[..],
-            b"\r\n",
-            b"+5\r\nhello\r\n0\r\n\r\n",
-            b"3\r\nabcd\r\n0\r\n\r\n",
-            b"10000000000000000\r\n",
-        ] {
-            assert!(decode_all(input, input.len()).is_err(), "{input:?}");
-        }
-        let long_line = vec![b'1'; MAX_LINE_BYTES + 2];
-        assert!(decode_all(&long_line, long_line.len()).is_err());
-    }
-
     #[test]
     fn response_heads_say_how_the_body_is_delimited() {
         let cases: [(&[u8], bool, Framing, bool); 9] = [
@@ -1068,16 +761,5 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(head.framing, Framing::Length(4));
-    }
-
-    #[test]
-    fn numbers_are_written_without_allocating() {
-        for value in [0u64, 7, 10, 1234567890, u64::MAX] {
-            assert_eq!(itoa_u64(value).as_bytes(), value.to_string().as_bytes());
-            assert_eq!(
-                format_hex(value as usize).as_bytes(),
-                format!("{:x}", value as usize).as_bytes()
-            );
-        }
     }
 }

@@ -1,0 +1,834 @@
+//! The HTTP/1.1 server side of the router, built for proxying.
+//!
+//! [`serve`] runs one client connection in the task that accepted it: it reads a request head
+//! (within the header timeout, at most `max_header_bytes`), hands the request to the handler and
+//! writes the handler's response, then does the same for the next request while the connection
+//! is kept alive. Nothing else runs per connection or per request: no dispatcher, no channel.
+//!
+//! - **Request bodies.** A body of known length up to [`READ_WHOLE`] bytes is read with its head
+//!   and handed over whole; a larger or chunked one is a [`RequestStream`] that reads from the
+//!   connection as the handler polls it, and gives the connection back at its end. A request
+//!   with both `Transfer-Encoding` and `Content-Length`, or a transfer coding other than chunked,
+//!   is refused with 400 and the connection closed (RFC 9112 §6.1, §6.3): a front proxy that read
+//!   the other length would disagree about where the request ends.
+//! - **Responses** keep their `Content-Length`, or get one when the body's length is known;
+//!   otherwise they are sent chunked (to an HTTP/1.0 client: delimited by closing). The head and
+//!   a body that is ready at once go out in one write; a streamed body is written frame by frame
+//!   as it arrives, so an SSE event is not held back. `HEAD`, 1xx, 204 and 304 responses have no
+//!   body. A `Date` is added when the response has none.
+//! - **A client that leaves** while its request waits (queued, or for the backend's answer) is
+//!   noticed by the end of its connection, and the handler's future is dropped, which withdraws
+//!   the request.
+//! - **Keep-alive** ends when the client asks (`Connection: close`, or HTTP/1.0 without
+//!   `keep-alive`), the response says `Connection: close`, the request body was not read to its
+//!   end, the router drains, or a malformed request arrives (answered 400, or 431 for a head over
+//!   the limit, then closed). A connection waiting for its next request closes at once when the
+//!   router starts draining, and after the header timeout.
+
+use std::future::Future;
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::{Pin, pin};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::watch;
+
+use super::{
+    Chunked, Decoded, MAX_HEADERS, decode_chunked, format_hex, itoa_u64, parse_content_length,
+};
+use crate::body::{ClientBody, ResponseBody};
+use crate::response;
+
+/// Request bodies of known length up to this many bytes are read with their head.
+pub const READ_WHOLE: u64 = 64 * 1024;
+
+const MIN_READ: usize = 1024;
+const READ_BUFFER: usize = 8 * 1024;
+
+/// What a connection is held to.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// How long a client may take to send a request head (and how long an idle connection
+    /// waits for the next one).
+    pub header_read_timeout: Duration,
+    /// Largest request head accepted.
+    pub max_header_bytes: usize,
+}
+
+/// The reading side of a client connection and what was read from it.
+#[derive(Debug)]
+struct Inbound {
+    half: OwnedReadHalf,
+    buffer: BytesMut,
+}
+
+impl Inbound {
+    /// Reads more; `Ok(0)` at the end of the connection.
+    async fn fill(&mut self) -> io::Result<usize> {
+        if self.buffer.capacity() - self.buffer.len() < MIN_READ {
+            self.buffer.reserve(READ_BUFFER);
+        }
+        self.half.read_buf(&mut self.buffer).await
+    }
+
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buffer.capacity() - self.buffer.len() < MIN_READ {
+            self.buffer.reserve(READ_BUFFER);
+        }
+        pin!(self.half.read_buf(&mut self.buffer)).poll(cx)
+    }
+}
+
+/// Where a streamed request body leaves the connection's reading side once it was read to its
+/// end.
+type Slot = Arc<Mutex<Option<Inbound>>>;
+
+fn lock(slot: &Slot) -> MutexGuard<'_, Option<Inbound>> {
+    slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A parsed request head, and what it says about the body and the connection.
+struct Head {
+    request: Request<()>,
+    body: BodyLength,
+    keep_alive: bool,
+    expects_continue: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyLength {
+    Length(u64),
+    Chunked,
+}
+
+/// Why a connection ends without an answer to a request.
+enum Refusal {
+    /// Closed by the client, timed out, or drained while idle: nothing to say.
+    Quiet,
+    /// A malformed or oversized head: answered with this status and closed.
+    Answer(StatusCode, &'static str),
+}
+
+/// Serves one client connection with `handler` until it ends (see the module documentation).
+pub async fn serve<H, F>(
+    stream: TcpStream,
+    limits: Limits,
+    mut draining: watch::Receiver<bool>,
+    handler: H,
+) where
+    H: Fn(Request<ClientBody>) -> F,
+    F: Future<Output = Response<ResponseBody>>,
+{
+    let (half, mut writer) = stream.into_split();
+    let mut inbound = Some(Inbound {
+        half,
+        buffer: BytesMut::with_capacity(READ_BUFFER),
+    });
+    let mut slot: Option<Slot> = None;
+    let mut out: Vec<u8> = Vec::with_capacity(1024);
+    while let Some(mut input) = inbound.take() {
+        let head = match read_head(&mut input, limits, &mut draining).await {
+            Ok(head) => head,
+            Err(Refusal::Quiet) => return,
+            Err(Refusal::Answer(status, message)) => {
+                let answer = response::error(status, message);
+                let _ = write_response(&mut writer, &mut out, answer, false, false, true).await;
+                return;
+            }
+        };
+        let Head {
+            request,
+            body,
+            mut keep_alive,
+            expects_continue,
+        } = head;
+        let head_request = request.method() == Method::HEAD;
+        let http10 = request.version() == Version::HTTP_10;
+        if expects_continue
+            && body != BodyLength::Length(0)
+            && writer
+                .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                .await
+                .is_err()
+        {
+            return;
+        }
+        // The reading side stays here when the body was read with the head; a streamed body takes
+        // it and leaves it in the slot at its end.
+        let (body, held) = match body {
+            BodyLength::Length(0) => (ClientBody::empty(), Some(input)),
+            BodyLength::Length(length) if length <= READ_WHOLE => {
+                match read_whole(&mut input, length as usize).await {
+                    Some(bytes) => (ClientBody::Full(Some(bytes)), Some(input)),
+                    None => return,
+                }
+            }
+            length => {
+                let slot = Arc::clone(slot.get_or_insert_with(Slot::default));
+                let framing = match length {
+                    BodyLength::Length(length) => Incoming::Length(length),
+                    BodyLength::Chunked => Incoming::Chunked(Chunked::Size),
+                };
+                let stream = RequestStream {
+                    inbound: Some(input),
+                    framing,
+                    slot,
+                };
+                (ClientBody::Streaming(stream), None)
+            }
+        };
+        let request = request.map(|()| body);
+        let answer = match held {
+            Some(mut input) => {
+                let Some(answer) = answer_unless_gone(handler(request), &mut input).await else {
+                    // The client left: dropping the handler's future withdrew the request.
+                    return;
+                };
+                inbound = Some(input);
+                answer
+            }
+            None => handler(request).await,
+        };
+        if *draining.borrow() {
+            keep_alive = false;
+        }
+        let kept = write_response(
+            &mut writer,
+            &mut out,
+            answer,
+            head_request,
+            http10,
+            !keep_alive,
+        )
+        .await;
+        if !matches!(kept, Ok(true)) {
+            return;
+        }
+        if inbound.is_none() {
+            inbound = slot.as_ref().and_then(|slot| lock(slot).take());
+        }
+    }
+}
+
+/// Awaits `answer` while watching the client's connection: `None` if the client closed it
+/// first. Bytes the client sends meanwhile (a pipelined request) are kept for later.
+async fn answer_unless_gone<F>(answer: F, input: &mut Inbound) -> Option<Response<ResponseBody>>
+where
+    F: Future<Output = Response<ResponseBody>>,
+{
+    let mut answer = pin!(answer);
+    let mut watching = true;
+    loop {
+        tokio::select! {
+            biased;
+            answer = &mut answer => return Some(answer),
+            gone = client_gone(input), if watching => {
+                if gone {
+                    return None;
+                }
+                watching = false;
+            }
+        }
+    }
+}
+
+/// Waits until the client sends something (`false`) or closes the connection (`true`).
+async fn client_gone(input: &mut Inbound) -> bool {
+    loop {
+        if input.half.readable().await.is_err() {
+            return true;
+        }
+        if input.buffer.capacity() - input.buffer.len() < MIN_READ {
+            input.buffer.reserve(READ_BUFFER);
+        }
+        match input.half.try_read_buf(&mut input.buffer) {
+            Ok(0) => return true,
+            Ok(_) => return false,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Reads a body of `length` bytes that follows the head; `None` if the connection ended first.
+async fn read_whole(input: &mut Inbound, length: usize) -> Option<Bytes> {
+    while input.buffer.len() < length {
+        if input.buffer.capacity() < length {
+            input.buffer.reserve(length - input.buffer.len());
+        }
+        match input.fill().await {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
+        }
+    }
+    Some(input.buffer.split_to(length).freeze())
+}
+
+/// Reads the next request head: what is already buffered first, then from the connection.
+async fn read_head(
+    input: &mut Inbound,
+    limits: Limits,
+    draining: &mut watch::Receiver<bool>,
+) -> Result<Head, Refusal> {
+    let deadline = tokio::time::Instant::now() + limits.header_read_timeout;
+    loop {
+        if !input.buffer.is_empty() {
+            if let Some(head) = parse_head(&mut input.buffer, limits.max_header_bytes)? {
+                return Ok(head);
+            }
+        }
+        let idle = input.buffer.iter().all(|&b| b == b'\r' || b == b'\n');
+        if idle && *draining.borrow() {
+            return Err(Refusal::Quiet);
+        }
+        tokio::select! {
+            biased;
+            read = input.fill() => match read {
+                Ok(0) | Err(_) => return Err(Refusal::Quiet),
+                Ok(_) => {}
+            },
+            () = tokio::time::sleep_until(deadline) => return Err(Refusal::Quiet),
+            _ = draining.changed(), if idle => return Err(Refusal::Quiet),
+        }
+    }
+}
+
+/// Parses a request head at the start of `buffer` and removes it from there; `None` when it is
+/// not complete yet.
+fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<Head>, Refusal> {
+    // Empty lines before a request line are passed over (RFC 9112 §2.2).
+    let blank = buffer
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count();
+    if blank > 0 {
+        buffer.advance(blank);
+        if buffer.is_empty() {
+            return Ok(None);
+        }
+    }
+    let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let status = match parsed.parse_with_uninit_headers(buffer, &mut fields) {
+        Ok(status) => status,
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(Refusal::Answer(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "too many header fields",
+            ));
+        }
+        Err(_) => {
+            return Err(Refusal::Answer(
+                StatusCode::BAD_REQUEST,
+                "malformed request head",
+            ));
+        }
+    };
+    let httparse::Status::Complete(length) = status else {
+        if buffer.len() >= max_header_bytes {
+            return Err(Refusal::Answer(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "request head too large",
+            ));
+        }
+        return Ok(None);
+    };
+    if length > max_header_bytes {
+        return Err(Refusal::Answer(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "request head too large",
+        ));
+    }
+    let bad = |message| Refusal::Answer(StatusCode::BAD_REQUEST, message);
+    let method = Method::from_bytes(parsed.method.unwrap_or_default().as_bytes())
+        .map_err(|_| bad("invalid method"))?;
+    let version = if parsed.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    let base = buffer.as_ptr() as usize;
+    let path = parsed.path.unwrap_or_default();
+    let path_span = (path.as_ptr() as usize - base, path.len());
+    let count = parsed.headers.len();
+    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
+        let name = field.name.as_ptr() as usize - base;
+        let value = field.value.as_ptr() as usize - base;
+        // A head is at most `max_header_bytes` long, far below 4 GiB.
+        *span = (
+            name as u32,
+            (name + field.name.len()) as u32,
+            value as u32,
+            (value + field.value.len()) as u32,
+        );
+    }
+    let head = buffer.split_to(length).freeze();
+    let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
+        .map_err(|_| bad("invalid request target"))?;
+    let mut headers = HeaderMap::with_capacity(count);
+    let mut content_length: Option<u64> = None;
+    let mut chunked: Option<bool> = None;
+    let mut keep_alive = version == Version::HTTP_11;
+    let mut expects_continue = false;
+    for &(name_start, name_end, value_start, value_end) in &spans[..count] {
+        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
+            .map_err(|_| bad("invalid header name"))?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
+                .map_err(|_| bad("invalid header value"))?;
+        if name == header::CONTENT_LENGTH {
+            let length = parse_content_length(value.as_bytes())
+                .map_err(|_| bad("invalid Content-Length"))?;
+            if content_length.is_some_and(|seen| seen != length) {
+                return Err(bad("conflicting Content-Length"));
+            }
+            content_length = Some(length);
+        } else if name == header::TRANSFER_ENCODING {
+            let last = value
+                .as_bytes()
+                .rsplit(|&b| b == b',')
+                .next()
+                .unwrap_or(b"");
+            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name == header::CONNECTION {
+            for token in value.as_bytes().split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    keep_alive = false;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10 {
+                    keep_alive = true;
+                }
+            }
+        } else if name == header::EXPECT {
+            expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        }
+        headers.append(name, value);
+    }
+    let body = match (chunked, content_length) {
+        (Some(_), Some(_)) => {
+            return Err(bad("request has both Transfer-Encoding and Content-Length"));
+        }
+        (Some(true), None) => BodyLength::Chunked,
+        (Some(false), None) => return Err(bad("unsupported transfer coding")),
+        (None, length) => BodyLength::Length(length.unwrap_or(0)),
+    };
+    let mut request = Request::new(());
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    *request.headers_mut() = headers;
+    Ok(Some(Head {
+        request,
+        body,
+        keep_alive,
+        expects_continue,
+    }))
+}
+
+/// How a response body is delimited on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outgoing {
+    None,
+    Length(u64),
+    Chunked,
+    Close,
+}
+
+/// Writes `answer`; `Ok(true)` when the connection may serve another request. `close` says the
+/// connection ends after this response (it then says `Connection: close`); an HTTP/1.0 client
+/// gets a body of unknown length delimited by the end of the connection.
+async fn write_response(
+    writer: &mut OwnedWriteHalf,
+    out: &mut Vec<u8>,
+    answer: Response<ResponseBody>,
+    head_request: bool,
+    http10: bool,
+    mut close: bool,
+) -> io::Result<bool> {
+    let (parts, mut body) = answer.into_parts();
+    let status = parts.status;
+    let bodiless = head_request
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let mut declared: Option<u64> = None;
+    let mut dated = false;
+    for (name, value) in &parts.headers {
+        if name == header::CONNECTION {
+            // The router's own answers say `close` when the connection must end; the line
+            // itself is written below.
+            close |= value
+                .as_bytes()
+                .split(|&b| b == b',')
+                .any(|token| token.trim_ascii().eq_ignore_ascii_case(b"close"));
+            continue;
+        }
+        if name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        if name == header::CONTENT_LENGTH {
+            match parse_content_length(value.as_bytes()) {
+                Ok(length) if declared.is_none_or(|seen| seen == length) => declared = Some(length),
+                _ => continue,
+            }
+        } else if name == header::DATE {
+            dated = true;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !dated {
+        out.extend_from_slice(b"date: ");
+        append_date(out);
+        out.extend_from_slice(b"\r\n");
+    }
+    let framing = if bodiless {
+        Outgoing::None
+    } else if let Some(length) = declared {
+        Outgoing::Length(length)
+    } else if let Some(length) = body.size_hint().exact() {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa_u64(length).as_bytes());
+        out.extend_from_slice(b"\r\n");
+        Outgoing::Length(length)
+    } else if http10 {
+        close = true;
+        Outgoing::Close
+    } else {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+        Outgoing::Chunked
+    };
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    if framing == Outgoing::None {
+        drop(body);
+        writer.write_all(out).await?;
+        return Ok(!close);
+    }
+    let mut sent: u64 = 0;
+    loop {
+        let frame = if body.is_end_stream() {
+            None
+        } else {
+            // A frame that is ready at once goes out with what is waiting in `out`.
+            match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    if !out.is_empty() {
+                        writer.write_all(out).await?;
+                        out.clear();
+                    }
+                    std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+                }
+            }
+        };
+        let frame = match frame {
+            None => {
+                if framing == Outgoing::Chunked {
+                    out.extend_from_slice(b"0\r\n\r\n");
+                }
+                break;
+            }
+            // The body failed midway: the client can only learn it from the connection's end.
+            Some(Err(_)) => {
+                let _ = writer.write_all(out).await;
+                return Ok(false);
+            }
+            Some(Ok(frame)) => frame,
+        };
+        match frame.into_data() {
+            Ok(data) => {
+                if data.is_empty() {
+                    continue;
+                }
+                sent += data.len() as u64;
+                if framing == Outgoing::Chunked {
+                    out.extend_from_slice(format_hex(data.len()).as_bytes());
+                    out.extend_from_slice(b"\r\n");
+                    out.extend_from_slice(&data);
+                    out.extend_from_slice(b"\r\n");
+                } else {
+                    out.extend_from_slice(&data);
+                }
+            }
+            Err(frame) => {
+                if let (Ok(trailers), Outgoing::Chunked) = (frame.into_trailers(), framing) {
+                    out.extend_from_slice(b"0\r\n");
+                    for (name, value) in &trailers {
+                        out.extend_from_slice(name.as_str().as_bytes());
+                        out.extend_from_slice(b": ");
+                        out.extend_from_slice(value.as_bytes());
+                        out.extend_from_slice(b"\r\n");
+                    }
+                    out.extend_from_slice(b"\r\n");
+                    body = ResponseBody::Right(http_body_util::Full::new(Bytes::new()));
+                    break;
+                }
+                continue;
+            }
+        }
+        if !body.is_end_stream() {
+            // Streamed: what arrived goes out now.
+            writer.write_all(out).await?;
+            out.clear();
+        }
+    }
+    writer.write_all(out).await?;
+    out.clear();
+    drop(body);
+    let complete = match framing {
+        Outgoing::Length(length) => sent == length,
+        _ => true,
+    };
+    Ok(!close && complete && framing != Outgoing::Close)
+}
+
+/// Appends the current time as an HTTP date (IMF-fixdate), formatted once per second.
+fn append_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static CACHED: std::cell::Cell<(u64, [u8; 29])> = const { std::cell::Cell::new((u64::MAX, [0; 29])) };
+    }
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    let text = CACHED.with(|cached| {
+        let (second, text) = cached.get();
+        if second == now {
+            return text;
+        }
+        let text = http_date(now);
+        cached.set((now, text));
+        text
+    });
+    out.extend_from_slice(&text);
+}
+
+/// `Sun, 06 Nov 1994 08:49:37 GMT` for `seconds` since the Unix epoch.
+fn http_date(seconds: u64) -> [u8; 29] {
+    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
+    const MONTHS: [&[u8; 3]; 12] = [
+        b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov",
+        b"Dec",
+    ];
+    let days = seconds / 86_400;
+    let second_of_day = seconds % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
+    let month = if shifted_month < 10 {
+        shifted_month + 3
+    } else {
+        shifted_month - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    let mut text = [0u8; 29];
+    let two = |value: u64| [b'0' + (value / 10) as u8, b'0' + (value % 10) as u8];
+    text[..3].copy_from_slice(DAYS[(days % 7) as usize]);
+    text[3..5].copy_from_slice(b", ");
+    text[5..7].copy_from_slice(&two(day as u64));
+    text[7] = b' ';
+    text[8..11].copy_from_slice(MONTHS[(month - 1) as usize]);
+    text[11] = b' ';
+    let year = year.clamp(0, 9999) as u64;
+    text[12..14].copy_from_slice(&two(year / 100));
+    text[14..16].copy_from_slice(&two(year % 100));
+    text[16] = b' ';
+    text[17..19].copy_from_slice(&two(second_of_day / 3600));
+    text[19] = b':';
+    text[20..22].copy_from_slice(&two(second_of_day / 60 % 60));
+    text[22] = b':';
+    text[23..25].copy_from_slice(&two(second_of_day % 60));
+    text[25..29].copy_from_slice(b" GMT");
+    text
+}
+
+/// Where a streamed request body is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Incoming {
+    Length(u64),
+    Chunked(Chunked),
+    Done,
+    Failed,
+}
+
+/// A request body read from the client's connection as it is polled. At its end it leaves the
+/// connection's reading side for the next request; dropped before its end, the connection
+/// closes after the response.
+#[derive(Debug)]
+pub struct RequestStream {
+    inbound: Option<Inbound>,
+    framing: Incoming,
+    slot: Slot,
+}
+
+impl RequestStream {
+    fn finish(&mut self) {
+        self.framing = Incoming::Done;
+        if let Some(input) = self.inbound.take() {
+            *lock(&self.slot) = Some(input);
+        }
+    }
+
+    fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        self.framing = Incoming::Failed;
+        self.inbound = None;
+        Poll::Ready(Some(Err(error)))
+    }
+}
+
+impl Body for RequestStream {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let this = self.get_mut();
+        loop {
+            let Some(input) = this.inbound.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match &mut this.framing {
+                Incoming::Done | Incoming::Failed => return Poll::Ready(None),
+                Incoming::Length(0) => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Incoming::Length(left) => {
+                    if !input.buffer.is_empty() {
+                        let taken = input
+                            .buffer
+                            .len()
+                            .min(usize::try_from(*left).unwrap_or(usize::MAX));
+                        *left -= taken as u64;
+                        let data = input.buffer.split_to(taken).freeze();
+                        if *left == 0 {
+                            this.finish();
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                }
+                Incoming::Chunked(state) => match decode_chunked(state, &mut input.buffer) {
+                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Ok(Decoded::Trailers(trailers)) => {
+                        this.finish();
+                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                    }
+                    Ok(Decoded::End) => {
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
+                    Ok(Decoded::More) => {}
+                    Err(error) => return this.fail(error),
+                },
+            }
+            match ready!(input.poll_fill(cx)) {
+                Ok(0) => {
+                    return this.fail(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "client closed the connection before the request body ended",
+                    ));
+                }
+                Ok(_) => {}
+                Err(error) => return this.fail(error),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.framing, Incoming::Done | Incoming::Length(0))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Incoming::Length(left) => SizeHint::with_exact(left),
+            Incoming::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_imf_fixdates() {
+        assert_eq!(&http_date(784_111_777), b"Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(&http_date(0), b"Thu, 01 Jan 1970 00:00:00 GMT");
+        assert_eq!(&http_date(951_782_400), b"Tue, 29 Feb 2000 00:00:00 GMT");
+        assert_eq!(&http_date(1_796_083_199), b"Mon, 30 Nov 2026 23:59:59 GMT");
+    }
+
+    #[test]
+    fn heads_say_how_the_body_is_delimited_and_whether_to_keep_alive() {
+        let parse = |text: &str| match parse_head(&mut BytesMut::from(text.as_bytes()), 8192) {
+            Ok(Some(head)) => Ok((head.body, head.keep_alive)),
+            Ok(None) => Err("partial".to_owned()),
+            Err(Refusal::Answer(status, message)) => Err(format!("{status} {message}")),
+            Err(Refusal::Quiet) => Err("quiet".to_owned()),
+        };
+        assert_eq!(
+            parse("\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n"),
+            Ok((BodyLength::Length(0), true))
+        );
+        assert_eq!(
+            parse("POST / HTTP/1.1\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"),
+            Ok((BodyLength::Length(5), false))
+        );
+        assert_eq!(
+            parse("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            Ok((BodyLength::Chunked, false))
+        );
+        assert_eq!(
+            parse("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"),
+            Ok((BodyLength::Length(0), true))
+        );
+        assert_eq!(
+            parse("GET / HTTP/1.1\r\nhost: x\r\n"),
+            Err("partial".to_owned())
+        );
+        for refused in [
+            "POST / HTTP/1.1\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: -5\r\n\r\n",
+            "GET / HTTP/1.1\r\nbad header\r\n\r\n",
+            "G\x01T / HTTP/1.1\r\n\r\n",
+        ] {
+            assert!(
+                parse(refused).is_err_and(|error| error.starts_with("400")),
+                "{refused:?}"
+            );
+        }
+        let long = format!("GET / HTTP/1.1\r\nx-long: {}\r\n\r\n", "a".repeat(9000));
+        assert!(parse(&long).is_err_and(|error| error.starts_with("431")));
+    }
+}

@@ -189,7 +189,8 @@ pub async fn serve<H, F>(
         let request = request.map(|()| body);
         let answer = match held {
             Some(mut input) => {
-                let Some(answer) = answer_unless_gone(handler(request), &mut input).await else {
+                let answer = pin!(handler(request));
+                let Some(answer) = answer_unless_gone(answer, &mut input).await else {
                     // The client left: dropping the handler's future withdrew the request.
                     return;
                 };
@@ -221,16 +222,18 @@ pub async fn serve<H, F>(
 
 /// Awaits `answer` while watching the client's connection: `None` if the client closed it
 /// first. Bytes the client sends meanwhile (a pipelined request) are kept for later.
-async fn answer_unless_gone<F>(answer: F, input: &mut Inbound) -> Option<Response<ResponseBody>>
+async fn answer_unless_gone<F>(
+    mut answer: Pin<&mut F>,
+    input: &mut Inbound,
+) -> Option<Response<ResponseBody>>
 where
     F: Future<Output = Response<ResponseBody>>,
 {
-    let mut answer = pin!(answer);
     let mut watching = true;
     loop {
         tokio::select! {
             biased;
-            answer = &mut answer => return Some(answer),
+            answer = answer.as_mut() => return Some(answer),
             gone = client_gone(input), if watching => {
                 if gone {
                     return None;
@@ -375,7 +378,8 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
     let head = buffer.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
         .map_err(|_| bad("invalid request target"))?;
-    let mut headers = HeaderMap::with_capacity(count);
+    // Room for the two forwarding fields the proxy adds, so the map does not grow for them.
+    let mut headers = HeaderMap::with_capacity(count + 2);
     let mut content_length: Option<u64> = None;
     let mut chunked: Option<bool> = None;
     let mut keep_alive = version == Version::HTTP_11;

@@ -23,7 +23,8 @@
 //!   `keep-alive`), the response says `Connection: close`, the request body was not read to its
 //!   end, the router drains, or a malformed request arrives (answered 400, or 431 for a head over
 //!   the limit, then closed). A connection waiting for its next request closes at once when the
-//!   router starts draining, and after the header timeout.
+//!   router starts draining, and after the header timeout (give or take a tenth of it: one timer
+//!   per connection, set again only when it was set more than a tenth of the timeout ago).
 
 use std::future::Future;
 use std::io;
@@ -135,8 +136,9 @@ pub async fn serve<H, F>(
     });
     let mut slot: Option<Slot> = None;
     let mut out: Vec<u8> = Vec::with_capacity(1024);
+    let mut header_timer = HeaderTimer::new(limits.header_read_timeout);
     while let Some(mut input) = inbound.take() {
-        let head = match read_head(&mut input, limits, &mut draining).await {
+        let head = match read_head(&mut input, limits, &mut header_timer, &mut draining).await {
             Ok(head) => head,
             Err(Refusal::Quiet) => return,
             Err(Refusal::Answer(status, message)) => {
@@ -276,13 +278,44 @@ async fn read_whole(input: &mut Inbound, length: usize) -> Option<Bytes> {
     Some(input.buffer.split_to(length).freeze())
 }
 
+/// The header timeout of one connection: one timer for the connection's life, set again only
+/// when it was set more than a tenth of the timeout ago, so that waiting for the next request
+/// does not register a timer each time. A client thus gets between nine tenths of the timeout
+/// and the whole of it to send a head.
+struct HeaderTimer {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    set_at: tokio::time::Instant,
+    timeout: Duration,
+}
+
+impl HeaderTimer {
+    fn new(timeout: Duration) -> Self {
+        let now = tokio::time::Instant::now();
+        Self {
+            sleep: Box::pin(tokio::time::sleep_until(now + timeout)),
+            set_at: now,
+            timeout,
+        }
+    }
+
+    /// Starts a wait for a head.
+    fn start(&mut self) {
+        let now = tokio::time::Instant::now();
+        if now.saturating_duration_since(self.set_at) > self.timeout / 10 {
+            self.sleep.as_mut().reset(now + self.timeout);
+            self.set_at = now;
+        }
+    }
+}
+
 /// Reads the next request head: what is already buffered first, then from the connection.
 async fn read_head(
     input: &mut Inbound,
     limits: Limits,
+    timer: &mut HeaderTimer,
     draining: &mut watch::Receiver<bool>,
 ) -> Result<Head, Refusal> {
-    let deadline = tokio::time::Instant::now() + limits.header_read_timeout;
+    let mut started = false;
     loop {
         if !input.buffer.is_empty() {
             if let Some(head) = parse_head(&mut input.buffer, limits.max_header_bytes)? {
@@ -293,13 +326,17 @@ async fn read_head(
         if idle && *draining.borrow() {
             return Err(Refusal::Quiet);
         }
+        if !started {
+            timer.start();
+            started = true;
+        }
         tokio::select! {
             biased;
             read = input.fill() => match read {
                 Ok(0) | Err(_) => return Err(Refusal::Quiet),
                 Ok(_) => {}
             },
-            () = tokio::time::sleep_until(deadline) => return Err(Refusal::Quiet),
+            () = timer.sleep.as_mut() => return Err(Refusal::Quiet),
             _ = draining.changed(), if idle => return Err(Refusal::Quiet),
         }
     }

@@ -459,6 +459,10 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
         (Some(_), Some(_)) => {
             return Err(bad("request has both Transfer-Encoding and Content-Length"));
         }
+        // HTTP/1.0 has no transfer codings: a sender that uses one cannot be trusted on framing.
+        (Some(_), None) if version == Version::HTTP_10 => {
+            return Err(bad("Transfer-Encoding in an HTTP/1.0 request"));
+        }
         (Some(true), None) => BodyLength::Chunked,
         (Some(false), None) => return Err(bad("unsupported transfer coding")),
         (None, length) => BodyLength::Length(length.unwrap_or(0)),
@@ -845,8 +849,8 @@ mod tests {
             Ok((BodyLength::Length(5), false))
         );
         assert_eq!(
-            parse("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"),
-            Ok((BodyLength::Chunked, false))
+            parse("POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
+            Ok((BodyLength::Chunked, true))
         );
         assert_eq!(
             parse("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"),
@@ -859,6 +863,7 @@ mod tests {
         for refused in [
             "POST / HTTP/1.1\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n",
+            "POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n",
             "POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
             "POST / HTTP/1.1\r\ncontent-length: -5\r\n\r\n",
             "GET / HTTP/1.1\r\nbad header\r\n\r\n",

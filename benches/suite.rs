@@ -66,7 +66,8 @@ fn main() -> ExitCode {
         nginx: !args.no_nginx,
         seed: args.seed,
         runs: args.runs.max(1),
-        out_dir: args.out,
+        // Absolute, because nginx resolves the paths in its configuration against its prefix.
+        out_dir: std::path::absolute(&args.out).unwrap_or(args.out),
         router_binary: PathBuf::from(env!("CARGO_BIN_EXE_custom-router")),
         command: command_line(),
     };

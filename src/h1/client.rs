@@ -32,8 +32,8 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
 use super::{
-    Chunked, Decoded, Hop, MAX_HEAD_BYTES, MAX_HEADERS, decode_chunked, format_hex, hop_by_hop,
-    invalid, itoa_u64, parse_content_length,
+    Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, Step, format_hex, hop_by_hop, invalid,
+    itoa_u64, parse_content_length,
 };
 use crate::body::UpstreamBody;
 
@@ -510,21 +510,6 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
     }))
 }
 
-/// How the rest of a response body is delimited.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
-    /// This many bytes are left.
-    Length(u64),
-    /// Chunked transfer coding, at this point of a chunk.
-    Chunked(Chunked),
-    /// Everything up to the end of the connection.
-    Close,
-    /// The body ended.
-    Done,
-    /// The body failed; the connection is not reused.
-    Failed,
-}
-
 /// A response body read from its connection as it is polled.
 #[derive(Debug)]
 pub struct ResponseStream {
@@ -537,7 +522,7 @@ impl ResponseStream {
     /// The connection, once the body was read to its end and the exchange left it reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
         // A body known to be empty (`HEAD`, 204, 304, `Content-Length: 0`) may never be polled.
-        let reusable = matches!(self.framing, Framing::Done | Framing::Length(0))
+        let reusable = self.framing.is_end()
             && self.keep_alive
             && self
                 .connection
@@ -570,48 +555,17 @@ impl Body for ResponseStream {
             let Some(connection) = this.connection.as_mut() else {
                 return Poll::Ready(None);
             };
-            let buffer = &mut connection.read;
-            match &mut this.framing {
-                Framing::Done | Framing::Failed => return Poll::Ready(None),
-                Framing::Length(0) => {
-                    this.framing = Framing::Done;
-                    return Poll::Ready(None);
+            match this.framing.decode(&mut connection.read) {
+                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Step::Trailers(trailers)) => {
+                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
                 }
-                Framing::Length(left) => {
-                    if !buffer.is_empty() {
-                        let taken = buffer
-                            .len()
-                            .min(usize::try_from(*left).unwrap_or(usize::MAX));
-                        *left -= taken as u64;
-                        if *left == 0 {
-                            this.framing = Framing::Done;
-                        }
-                        return Poll::Ready(Some(Ok(Frame::data(buffer.split_to(taken).freeze()))));
-                    }
-                }
-                Framing::Chunked(state) => match decode_chunked(state, buffer) {
-                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                    Ok(Decoded::Trailers(trailers)) => {
-                        this.framing = Framing::Done;
-                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                    }
-                    Ok(Decoded::End) => {
-                        this.framing = Framing::Done;
-                        return Poll::Ready(None);
-                    }
-                    Ok(Decoded::More) => {}
-                    Err(error) => return this.fail(error),
-                },
-                Framing::Close => {
-                    if !buffer.is_empty() {
-                        let data = buffer.split().freeze();
-                        return Poll::Ready(Some(Ok(Frame::data(data))));
-                    }
-                }
+                Ok(Step::End) => return Poll::Ready(None),
+                Ok(Step::More) => {}
+                Err(error) => return this.fail(error),
             }
             match ready!(connection.poll_fill(cx)) {
-                Ok(0) if this.framing == Framing::Close => {
-                    this.framing = Framing::Done;
+                Ok(0) if this.framing.ends_at_eof() => {
                     this.keep_alive = false;
                     return Poll::Ready(None);
                 }
@@ -628,15 +582,11 @@ impl Body for ResponseStream {
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.framing, Framing::Done | Framing::Length(0))
+        self.framing.is_end()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self.framing {
-            Framing::Length(left) => SizeHint::with_exact(left),
-            Framing::Done | Framing::Failed => SizeHint::with_exact(0),
-            _ => SizeHint::default(),
-        }
+        self.framing.size_hint()
     }
 }
 

@@ -7,6 +7,7 @@ use std::io;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http_body::SizeHint;
 
 pub mod client;
 pub mod server;
@@ -128,6 +129,95 @@ pub(crate) fn parse_content_length(value: &[u8]) -> io::Result<u64> {
         length = Some(parsed);
     }
     length.ok_or_else(|| invalid("invalid content-length"))
+}
+
+/// How the rest of a message body is delimited, and how far it was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    /// Chunked transfer coding, at this point of a chunk.
+    Chunked(Chunked),
+    /// Everything up to the end of the connection (responses only).
+    Close,
+    /// The body ended.
+    Done,
+    /// The body failed; the connection is not reused.
+    Failed,
+}
+
+/// The next piece of a body, as [`Framing::decode`] finds it in the read buffer.
+#[derive(Debug)]
+pub(crate) enum Step {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    End,
+    /// More bytes are needed.
+    More,
+}
+
+impl Framing {
+    /// Takes the next piece of the body from `buffer` (the body's bytes and whatever follows
+    /// them, which stays there).
+    pub(crate) fn decode(&mut self, buffer: &mut BytesMut) -> io::Result<Step> {
+        match self {
+            Framing::Done | Framing::Failed => Ok(Step::End),
+            Framing::Length(0) => {
+                *self = Framing::Done;
+                Ok(Step::End)
+            }
+            Framing::Length(left) => {
+                if buffer.is_empty() {
+                    return Ok(Step::More);
+                }
+                let taken = buffer
+                    .len()
+                    .min(usize::try_from(*left).unwrap_or(usize::MAX));
+                *left -= taken as u64;
+                if *left == 0 {
+                    *self = Framing::Done;
+                }
+                Ok(Step::Data(buffer.split_to(taken).freeze()))
+            }
+            Framing::Chunked(state) => match decode_chunked(state, buffer)? {
+                Decoded::Data(data) => Ok(Step::Data(data)),
+                Decoded::Trailers(trailers) => {
+                    *self = Framing::Done;
+                    Ok(Step::Trailers(trailers))
+                }
+                Decoded::End => {
+                    *self = Framing::Done;
+                    Ok(Step::End)
+                }
+                Decoded::More => Ok(Step::More),
+            },
+            Framing::Close if buffer.is_empty() => Ok(Step::More),
+            Framing::Close => Ok(Step::Data(buffer.split().freeze())),
+        }
+    }
+
+    /// The connection ended: whether that ends the body (it is delimited by the end of the
+    /// connection) rather than cutting it short.
+    pub(crate) fn ends_at_eof(&mut self) -> bool {
+        if *self == Framing::Close {
+            *self = Framing::Done;
+            return true;
+        }
+        false
+    }
+
+    /// Whether nothing is left to read (a body known to be empty may never be polled).
+    pub(crate) fn is_end(&self) -> bool {
+        matches!(self, Framing::Done | Framing::Length(0))
+    }
+
+    pub(crate) fn size_hint(&self) -> SizeHint {
+        match *self {
+            Framing::Length(left) => SizeHint::with_exact(left),
+            Framing::Done | Framing::Failed => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
 }
 
 /// Where the chunked decoder is.

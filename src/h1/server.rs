@@ -43,9 +43,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 
-use super::{
-    Chunked, Decoded, MAX_HEADERS, decode_chunked, format_hex, itoa_u64, parse_content_length,
-};
+use super::{Chunked, Framing, MAX_HEADERS, Step, format_hex, itoa_u64, parse_content_length};
 use crate::body::{ClientBody, ResponseBody};
 use crate::response;
 
@@ -177,8 +175,8 @@ pub async fn serve<H, F>(
             length => {
                 let slot = Arc::clone(slot.get_or_insert_with(Slot::default));
                 let framing = match length {
-                    BodyLength::Length(length) => Incoming::Length(length),
-                    BodyLength::Chunked => Incoming::Chunked(Chunked::Size),
+                    BodyLength::Length(length) => Framing::Length(length),
+                    BodyLength::Chunked => Framing::Chunked(Chunked::Size),
                 };
                 let stream = RequestStream {
                     inbound: Some(input),
@@ -713,35 +711,26 @@ fn http_date(seconds: u64) -> [u8; 29] {
     text
 }
 
-/// Where a streamed request body is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Incoming {
-    Length(u64),
-    Chunked(Chunked),
-    Done,
-    Failed,
-}
-
 /// A request body read from the client's connection as it is polled. At its end it leaves the
 /// connection's reading side for the next request; dropped before its end, the connection
 /// closes after the response.
 #[derive(Debug)]
 pub struct RequestStream {
     inbound: Option<Inbound>,
-    framing: Incoming,
+    framing: Framing,
     slot: Slot,
 }
 
 impl RequestStream {
+    /// Leaves the reading side for the next request (the body was read to its end).
     fn finish(&mut self) {
-        self.framing = Incoming::Done;
         if let Some(input) = self.inbound.take() {
             *lock(&self.slot) = Some(input);
         }
     }
 
     fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        self.framing = Incoming::Failed;
+        self.framing = Framing::Failed;
         self.inbound = None;
         Poll::Ready(Some(Err(error)))
     }
@@ -760,40 +749,24 @@ impl Body for RequestStream {
             let Some(input) = this.inbound.as_mut() else {
                 return Poll::Ready(None);
             };
-            match &mut this.framing {
-                Incoming::Done | Incoming::Failed => return Poll::Ready(None),
-                Incoming::Length(0) => {
-                    this.finish();
-                    return Poll::Ready(None);
-                }
-                Incoming::Length(left) => {
-                    if !input.buffer.is_empty() {
-                        let taken = input
-                            .buffer
-                            .len()
-                            .min(usize::try_from(*left).unwrap_or(usize::MAX));
-                        *left -= taken as u64;
-                        let data = input.buffer.split_to(taken).freeze();
-                        if *left == 0 {
-                            this.finish();
-                        }
-                        return Poll::Ready(Some(Ok(Frame::data(data))));
-                    }
-                }
-                Incoming::Chunked(state) => match decode_chunked(state, &mut input.buffer) {
-                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                    Ok(Decoded::Trailers(trailers)) => {
-                        this.finish();
-                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                    }
-                    Ok(Decoded::End) => {
-                        this.finish();
-                        return Poll::Ready(None);
-                    }
-                    Ok(Decoded::More) => {}
-                    Err(error) => return this.fail(error),
-                },
+            let step = match this.framing.decode(&mut input.buffer) {
+                Ok(step) => step,
+                Err(error) => return this.fail(error),
+            };
+            if this.framing.is_end() {
+                this.finish();
             }
+            match step {
+                Step::Data(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Step::Trailers(trailers) => {
+                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                }
+                Step::End => return Poll::Ready(None),
+                Step::More => {}
+            }
+            let Some(input) = this.inbound.as_mut() else {
+                return Poll::Ready(None);
+            };
             match ready!(input.poll_fill(cx)) {
                 Ok(0) => {
                     return this.fail(io::Error::new(
@@ -808,15 +781,11 @@ impl Body for RequestStream {
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.framing, Incoming::Done | Incoming::Length(0))
+        self.framing.is_end()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self.framing {
-            Incoming::Length(left) => SizeHint::with_exact(left),
-            Incoming::Done => SizeHint::with_exact(0),
-            _ => SizeHint::default(),
-        }
+        self.framing.size_hint()
     }
 }
 

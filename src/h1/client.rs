@@ -171,13 +171,9 @@ impl Connection {
         if self.read.capacity() - self.read.len() < MIN_READ {
             self.read.reserve(READ_BUFFER);
         }
-        loop {
-            ready!(self.stream.poll_read_ready(cx))?;
-            match self.stream.try_read_buf(&mut self.read) {
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
-                result => return Poll::Ready(result),
-            }
-        }
+        // Through `AsyncRead`: a short read clears the socket's readiness, so the next wait
+        // costs no system call.
+        std::pin::pin!(self.stream.read_buf(&mut self.read)).poll(cx)
     }
 }
 

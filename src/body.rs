@@ -20,6 +20,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
+use crate::h1::client::Passthrough;
 use crate::h1::server::RequestStream;
 use crate::h1::{Connection, ResponseStream};
 
@@ -37,6 +38,15 @@ pub enum BackendBody {
 }
 
 impl BackendBody {
+    /// What the response's field lines say, when a plain-HTTP backend's fields were left as
+    /// lines ([`crate::h1::client`]).
+    pub fn passthrough(&self) -> Option<&Passthrough> {
+        match self {
+            BackendBody::Pooled(stream) => stream.passthrough(),
+            BackendBody::Tls(_) => None,
+        }
+    }
+
     /// The pooled connection, once the body was read to its end and the connection is reusable.
     fn take_connection(&mut self) -> Option<Connection> {
         match self {
@@ -182,6 +192,16 @@ fn finish_at_end(lease: &mut Option<Lease>, body: &mut BackendBody, outcome: Fin
 }
 
 impl ObservedBody {
+    /// The response's end-to-end header lines and what they say, when the fields of a
+    /// plain-HTTP backend's response were left as the lines it sent (the response's map then
+    /// holds only what the router added).
+    pub fn field_lines(&self) -> Option<(&[u8], &Passthrough)> {
+        match &self.inner {
+            BackendBody::Pooled(stream) => Some((stream.field_lines()?, stream.passthrough()?)),
+            BackendBody::Tls(_) => None,
+        }
+    }
+
     /// Wraps `inner`, finishing `lease` when it ends; a pooled connection goes back to the
     /// backend's idle connections if the body is read to its end.
     pub fn new(

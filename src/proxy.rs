@@ -377,8 +377,17 @@ enum Attempt {
 
 /// The `Retry-After` of a response in seconds (delta-seconds form; any other form counts as 1 s).
 pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
-    let seconds = value
+    retry_after_value(headers.get(header::RETRY_AFTER)?.as_bytes())
+}
+
+/// A `Retry-After` value in seconds (delta-seconds form; any other visible-ASCII text counts as
+/// 1 s, anything else as no value).
+pub fn retry_after_value(value: &[u8]) -> Option<Duration> {
+    let text = std::str::from_utf8(value)
+        .ok()
+        .filter(|text| text.bytes().all(|b| b == b'\t' || (32..127).contains(&b)))?;
+    let seconds = text
+        .trim()
         .parse::<f64>()
         .ok()
         .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok());
@@ -421,7 +430,14 @@ async fn attempt(
         Ok(upstream) => {
             let (mut parts, body) = upstream.into_parts();
             let status = parts.status;
-            let retry_after = retry_after(&parts.headers);
+            // Fields a plain-HTTP backend sent are read as lines, not put in the map.
+            let (retry_after, event_stream) = match body.passthrough() {
+                Some(fields) => (
+                    fields.retry_after.as_deref().and_then(retry_after_value),
+                    fields.event_stream,
+                ),
+                None => (retry_after(&parts.headers), is_event_stream(&parts.headers)),
+            };
             if may_retry_busy && is_busy(status, retry_after) {
                 lease.finish(Finish {
                     status: Some(status),
@@ -435,7 +451,7 @@ async fn attempt(
             // The client gets the router's own protocol version, whatever the backend spoke.
             parts.version = Version::default();
             let mut lease = lease;
-            if is_event_stream(&parts.headers) {
+            if event_stream {
                 lease.mark_streamed();
             }
             let body = ObservedBody::new(body, lease, status, retry_after);

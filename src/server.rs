@@ -281,7 +281,9 @@ impl Acceptor {
                     if conflict.seen() {
                         return Ok::<_, Infallible>(conflicting_framing());
                     }
-                    Ok(route(&shared, request.map(ClientBody::Hyper), &client).await)
+                    let mut answer = route(&shared, request.map(ClientBody::Hyper), &client).await;
+                    fields_into_map(&mut answer);
+                    Ok(answer)
                 }
             });
             let connection = builder.serve_connection(TokioIo::new(stream), service);
@@ -290,6 +292,34 @@ impl Acceptor {
             }
             drop(slot);
         });
+    }
+}
+
+/// Puts the field lines a plain-HTTP backend sent into the response's map, for hyper to write
+/// (the router's HTTP/1 server writes the lines as they are).
+fn fields_into_map(answer: &mut Response<ResponseBody>) {
+    let http_body_util::Either::Left(observed) = answer.body() else {
+        return;
+    };
+    let Some((lines, _)) = observed.field_lines() else {
+        return;
+    };
+    let mut fields = Vec::new();
+    for line in lines.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            continue;
+        };
+        let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(&line[..colon]),
+            http::HeaderValue::from_bytes(line[colon + 1..].trim_ascii()),
+        ) else {
+            continue;
+        };
+        fields.push((name, value));
+    }
+    for (name, value) in fields {
+        answer.headers_mut().append(name, value);
     }
 }
 

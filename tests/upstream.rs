@@ -567,3 +567,50 @@ async fn a_streamed_request_body_of_unknown_length_arrives_chunked() {
     assert_eq!(received.header("content-length"), None);
     assert_eq!(received.body, b"hello world");
 }
+
+#[tokio::test]
+async fn a_backends_end_to_end_fields_reach_http1_and_h2c_clients_as_sent() {
+    let backend = raw_backend(false, |request| {
+        let answer: &[u8] = if request.method() == "HEAD" {
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-End: kept\r\n\r\n"
+        } else {
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nDate: Mon, 30 Nov 2026 10:00:00 GMT\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-End: kept\r\n\r\nok"
+        };
+        Reply::keep_open(answer)
+    })
+    .await;
+    let router = router_for(&backend).await;
+    let h2c = h2c_client();
+    for over_h2c in [false, true] {
+        let request = Request::get(router.url("/fields")).body(full("")).unwrap();
+        let response = if over_h2c {
+            within(h2c.request(request)).await.unwrap()
+        } else {
+            within(client().request(request)).await.unwrap()
+        };
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok", "h2c: {over_h2c}");
+        let cookies: Vec<_> = headers.get_all("set-cookie").iter().collect();
+        assert_eq!(cookies, ["a=1", "b=2"], "h2c: {over_h2c}");
+        assert_eq!(headers["x-end"], "kept", "h2c: {over_h2c}");
+        let dates: Vec<_> = headers.get_all("date").iter().collect();
+        assert_eq!(dates, ["Mon, 30 Nov 2026 10:00:00 GMT"], "h2c: {over_h2c}");
+        assert!(!headers.contains_key("keep-alive"), "h2c: {over_h2c}");
+        assert!(
+            headers.get_all("content-length").iter().count() <= 1,
+            "h2c: {over_h2c}"
+        );
+        if !over_h2c {
+            assert_eq!(headers["content-length"], "2");
+        }
+    }
+    // A bodiless answer keeps the backend's length, and the router adds its own date.
+    let request = Request::head(router.url("/fields")).body(full("")).unwrap();
+    let (status, headers, body) = within(send(request)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.is_empty());
+    assert_eq!(headers["content-length"], "5");
+    assert_eq!(headers["x-end"], "kept");
+    assert_eq!(headers.get_all("date").iter().count(), 1);
+}

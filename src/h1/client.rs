@@ -49,6 +49,8 @@ pub struct Connection {
     stream: TcpStream,
     read: BytesMut,
     write: Vec<u8>,
+    /// The last response's end-to-end header lines, as the backend sent them.
+    fields: Vec<u8>,
 }
 
 /// Why a request got no response.
@@ -68,6 +70,7 @@ impl Connection {
             stream,
             read: BytesMut::with_capacity(READ_BUFFER),
             write: Vec::with_capacity(1024),
+            fields: Vec::with_capacity(512),
         }
     }
 
@@ -114,7 +117,7 @@ impl Connection {
         let outcome = if whole {
             let (mut reader, _) = self.stream.split();
             Outcome::Answered(
-                read_head(&mut reader, &mut self.read, head_request).await,
+                read_head(&mut reader, &mut self.read, &mut self.fields, head_request).await,
                 true,
             )
         } else {
@@ -122,6 +125,7 @@ impl Connection {
                 stream,
                 read,
                 write,
+                fields,
             } = &mut self;
             let (mut reader, mut writer) = stream.split();
             let pending = Pending {
@@ -130,7 +134,7 @@ impl Connection {
                 first: written == 0,
             };
             let sending = write_request(&mut writer, pending, &mut body, chunked);
-            let receiving = read_head(&mut reader, read, head_request);
+            let receiving = read_head(&mut reader, read, fields, head_request);
             tokio::pin!(sending, receiving);
             tokio::select! {
                 biased;
@@ -157,6 +161,7 @@ impl Connection {
                     connection: Some(self),
                     framing: answer.framing,
                     keep_alive,
+                    passthrough: answer.passthrough,
                 });
                 *response.status_mut() = answer.status;
                 *response.version_mut() = answer.version;
@@ -336,21 +341,37 @@ async fn write_request(
 struct Head {
     status: StatusCode,
     version: Version,
+    /// The end-to-end fields, unless they were left as lines.
     headers: HeaderMap,
+    /// What the lines say, when the fields were left as lines.
+    passthrough: Option<Passthrough>,
     framing: Framing,
     keep_alive: bool,
+}
+
+/// What the proxy and the client side need to know of response fields left as the lines the
+/// backend sent ([`ResponseStream::field_lines`]).
+#[derive(Debug, Clone, Default)]
+pub struct Passthrough {
+    /// The lines include a `Date`.
+    pub has_date: bool,
+    /// `Content-Type` is `text/event-stream`.
+    pub event_stream: bool,
+    /// The `Retry-After` value.
+    pub retry_after: Option<Bytes>,
 }
 
 /// Reads until a final response head is complete; interim (1xx) responses are passed over.
 async fn read_head(
     reader: &mut ReadHalf<'_>,
     buffer: &mut BytesMut,
+    lines: &mut Vec<u8>,
     head_request: bool,
 ) -> io::Result<Head> {
     loop {
         if !buffer.is_empty() {
             let before = buffer.len();
-            if let Some(head) = parse_head(buffer, head_request)? {
+            if let Some(head) = parse_head(buffer, head_request, Some(&mut *lines))? {
                 return Ok(head);
             }
             if buffer.len() < before {
@@ -376,7 +397,16 @@ async fn read_head(
 /// Parses a final response head at the start of `buffer` and removes it from there; `None` when
 /// the head is not complete yet (an interim response is removed and `None` returned as well, so
 /// the caller reads on).
-fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<Head>> {
+///
+/// With `lines`, the end-to-end fields are left as the backend's lines there (hop-by-hop ones
+/// left out, and `Content-Length` too unless the response has no body), for the client side to
+/// write as they are, and the map stays empty; without it, or when `Connection` names other
+/// fields, they go into the map.
+fn parse_head(
+    buffer: &mut BytesMut,
+    head_request: bool,
+    lines: Option<&mut Vec<u8>>,
+) -> io::Result<Option<Head>> {
     let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
     let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut []);
@@ -418,17 +448,15 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
     }
     let status = StatusCode::from_u16(code).map_err(|_| invalid("invalid status code"))?;
     let head = buffer.split_to(length).freeze();
-    let mut headers = HeaderMap::with_capacity(count);
+    let spans = &spans[..count];
+    let field = |start: u32, end: u32| &head[start as usize..end as usize];
+    // Framing and connection fields first.
     let mut content_length: Option<u64> = None;
     let mut transfer_encoding: Option<bool> = None;
     let mut close = version == Version::HTTP_10;
-    // Hop-by-hop fields are read for framing and left out of the map, unless `Connection`
-    // names other fields: then it stays, for the proxy to remove it and the fields it names.
     let mut connection_names_fields = false;
-    let mut connection_values = 0..0;
-    for &(name_start, name_end, value_start, value_end) in &spans[..count] {
-        let raw_name = &head[name_start as usize..name_end as usize];
-        let raw_value = &head[value_start as usize..value_end as usize];
+    for &(name_start, name_end, value_start, value_end) in spans {
+        let (raw_name, raw_value) = (field(name_start, name_end), field(value_start, value_end));
         match hop_by_hop(raw_name) {
             Some(Hop::Connection) => {
                 for token in raw_value.split(|&b| b == b',') {
@@ -443,43 +471,74 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
                         connection_names_fields = true;
                     }
                 }
-                if connection_values.is_empty() {
-                    connection_values = value_start as usize..value_end as usize;
-                }
-                if !connection_names_fields {
-                    continue;
-                }
             }
             Some(Hop::TransferEncoding) => {
                 // The last coding decides: chunked, or read to the end of the connection.
                 let last = raw_value.rsplit(|&b| b == b',').next().unwrap_or(b"");
                 transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-                continue;
             }
-            Some(Hop::Other) => continue,
+            Some(Hop::Other) => {}
+            None if raw_name.eq_ignore_ascii_case(b"content-length") => {
+                let length = parse_content_length(raw_value)?;
+                if content_length.is_some_and(|seen| seen != length) {
+                    return Err(invalid("conflicting content-length"));
+                }
+                content_length = Some(length);
+            }
             None => {}
         }
-        let name = HeaderName::from_bytes(raw_name)
-            .map_err(|_| invalid("invalid response header name"))?;
-        let value =
-            HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
-                .map_err(|_| invalid("invalid response header value"))?;
-        if name == header::CONTENT_LENGTH {
-            let length = parse_content_length(value.as_bytes())?;
-            if content_length.is_some_and(|seen| seen != length) {
-                return Err(invalid("conflicting content-length"));
+    }
+    let bodiless = head_request || code == 101 || code == 204 || code == 304;
+    let mut headers = HeaderMap::new();
+    let mut passthrough = None;
+    match lines {
+        Some(lines) if !connection_names_fields => {
+            lines.clear();
+            let mut seen = Passthrough::default();
+            for &(name_start, name_end, value_start, value_end) in spans {
+                let (raw_name, raw_value) =
+                    (field(name_start, name_end), field(value_start, value_end));
+                if hop_by_hop(raw_name).is_some()
+                    || (!bodiless && raw_name.eq_ignore_ascii_case(b"content-length"))
+                {
+                    continue;
+                }
+                if raw_name.eq_ignore_ascii_case(b"date") {
+                    seen.has_date = true;
+                } else if raw_name.eq_ignore_ascii_case(b"content-type") {
+                    seen.event_stream = raw_value.starts_with(b"text/event-stream");
+                } else if raw_name.eq_ignore_ascii_case(b"retry-after") {
+                    seen.retry_after = Some(head.slice(value_start as usize..value_end as usize));
+                }
+                lines.extend_from_slice(raw_name);
+                lines.extend_from_slice(b": ");
+                lines.extend_from_slice(raw_value);
+                lines.extend_from_slice(b"\r\n");
             }
-            content_length = Some(length);
+            passthrough = Some(seen);
         }
-        headers.append(name, value);
+        _ => {
+            // Hop-by-hop fields are left out of the map, unless `Connection` names other fields:
+            // then it stays, for the proxy to remove it and the fields it names.
+            headers.reserve(count);
+            for &(name_start, name_end, value_start, value_end) in spans {
+                let raw_name = field(name_start, name_end);
+                if hop_by_hop(raw_name)
+                    .is_some_and(|hop| hop != Hop::Connection || !connection_names_fields)
+                {
+                    continue;
+                }
+                let name = HeaderName::from_bytes(raw_name)
+                    .map_err(|_| invalid("invalid response header name"))?;
+                let value = HeaderValue::from_maybe_shared(
+                    head.slice(value_start as usize..value_end as usize),
+                )
+                .map_err(|_| invalid("invalid response header value"))?;
+                headers.append(name, value);
+            }
+        }
     }
-    if connection_names_fields && !headers.contains_key(header::CONNECTION) {
-        // An earlier `Connection` line was left out before a later one named fields.
-        let value = HeaderValue::from_maybe_shared(head.slice(connection_values))
-            .map_err(|_| invalid("invalid response header value"))?;
-        headers.append(header::CONNECTION, value);
-    }
-    let framing = if head_request || code == 101 || code == 204 || code == 304 {
+    let framing = if bodiless {
         Framing::Length(0)
     } else if let Some(chunked) = transfer_encoding {
         if content_length.is_some() {
@@ -501,6 +560,7 @@ fn parse_head(buffer: &mut BytesMut, head_request: bool) -> io::Result<Option<He
         status,
         version,
         headers,
+        passthrough,
         framing,
         keep_alive,
     }))
@@ -512,9 +572,22 @@ pub struct ResponseStream {
     connection: Option<Connection>,
     framing: Framing,
     keep_alive: bool,
+    passthrough: Option<Passthrough>,
 }
 
 impl ResponseStream {
+    /// What the response's field lines say, when its fields were left as lines (the response
+    /// head's map is then empty).
+    pub fn passthrough(&self) -> Option<&Passthrough> {
+        self.passthrough.as_ref()
+    }
+
+    /// The response's end-to-end header lines (`name: value\r\n` each), when its fields were
+    /// left as lines; valid until the body was read to its end.
+    pub fn field_lines(&self) -> Option<&[u8]> {
+        self.passthrough.as_ref()?;
+        Some(&self.connection.as_ref()?.fields)
+    }
     /// The connection, once the body was read to its end and the exchange left it reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
         // A body known to be empty (`HEAD`, 204, 304, `Content-Length: 0`) may never be polled.
@@ -645,7 +718,9 @@ mod tests {
         ];
         for (input, head_request, framing, keep_alive) in cases {
             let mut buffer = BytesMut::from(input);
-            let head = parse_head(&mut buffer, head_request).unwrap().unwrap();
+            let head = parse_head(&mut buffer, head_request, None)
+                .unwrap()
+                .unwrap();
             assert_eq!(head.framing, framing, "{}", String::from_utf8_lossy(input));
             assert_eq!(
                 head.keep_alive,
@@ -661,7 +736,7 @@ mod tests {
         let mut buffer = BytesMut::from(
             &b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nTransfer-Encoding: chunked\r\nx-a: 1\r\nUpgrade: h2c\r\n\r\n"[..],
         );
-        let head = parse_head(&mut buffer, false).unwrap().unwrap();
+        let head = parse_head(&mut buffer, false, None).unwrap().unwrap();
         let names: Vec<_> = head.headers.keys().map(HeaderName::as_str).collect();
         assert_eq!(names, ["x-a"]);
         assert_eq!(head.framing, Framing::Chunked(Chunked::Size));
@@ -670,7 +745,7 @@ mod tests {
         let mut buffer = BytesMut::from(
             &b"HTTP/1.1 200 OK\r\nconnection: keep-alive\r\nconnection: x-secret\r\nx-secret: 1\r\nx-a: 1\r\ncontent-length: 0\r\n\r\n"[..],
         );
-        let mut head = parse_head(&mut buffer, false).unwrap().unwrap();
+        let mut head = parse_head(&mut buffer, false, None).unwrap().unwrap();
         assert!(head.headers.contains_key("x-secret"));
         crate::proxy::remove_hop_by_hop(&mut head.headers);
         let names: Vec<_> = head.headers.keys().map(HeaderName::as_str).collect();
@@ -678,13 +753,43 @@ mod tests {
     }
 
     #[test]
+    fn fields_left_as_lines_drop_hop_by_hop_and_framing_and_say_what_the_proxy_reads() {
+        let head = b"HTTP/1.1 429 Too Many Requests\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nContent-Length: 5\r\nDate: Mon, 30 Nov 2026 10:00:00 GMT\r\nContent-Type: text/event-stream\r\nRetry-After: 3\r\nX-A: 1\r\n\r\n";
+        let mut lines = Vec::new();
+        let parsed = parse_head(&mut BytesMut::from(&head[..]), false, Some(&mut lines))
+            .unwrap()
+            .unwrap();
+        assert!(parsed.headers.is_empty());
+        assert_eq!(
+            String::from_utf8(lines.clone()).unwrap(),
+            "Date: Mon, 30 Nov 2026 10:00:00 GMT\r\nContent-Type: text/event-stream\r\nRetry-After: 3\r\nX-A: 1\r\n"
+        );
+        let fields = parsed.passthrough.unwrap();
+        assert!(fields.has_date && fields.event_stream);
+        assert_eq!(fields.retry_after.as_deref(), Some(&b"3"[..]));
+        assert_eq!(parsed.framing, Framing::Length(5));
+        // Without a body the length stays; a `Connection` naming a field puts all in the map.
+        let parsed = parse_head(&mut BytesMut::from(&head[..]), true, Some(&mut lines))
+            .unwrap()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&lines).contains("Content-Length: 5\r\n"));
+        assert_eq!(parsed.framing, Framing::Length(0));
+        let named = b"HTTP/1.1 200 OK\r\nConnection: x-a\r\nX-A: 1\r\ncontent-length: 0\r\n\r\n";
+        let parsed = parse_head(&mut BytesMut::from(&named[..]), false, Some(&mut lines))
+            .unwrap()
+            .unwrap();
+        assert!(parsed.passthrough.is_none());
+        assert_eq!(parsed.headers.len(), 3);
+    }
+
+    #[test]
     fn interim_responses_are_skipped_and_partial_heads_wait() {
         let mut buffer =
             BytesMut::from(&b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n"[..]);
-        assert!(parse_head(&mut buffer, false).unwrap().is_none());
-        assert!(parse_head(&mut buffer, false).unwrap().is_none());
+        assert!(parse_head(&mut buffer, false, None).unwrap().is_none());
+        assert!(parse_head(&mut buffer, false, None).unwrap().is_none());
         buffer.extend_from_slice(b"x-a: 1\r\nx-a: 2\r\ncontent-length: 0\r\n\r\n");
-        let head = parse_head(&mut buffer, false).unwrap().unwrap();
+        let head = parse_head(&mut buffer, false, None).unwrap().unwrap();
         assert_eq!(head.status, StatusCode::CREATED);
         assert_eq!(head.headers.get_all("x-a").iter().count(), 2);
         assert!(buffer.is_empty());
@@ -698,11 +803,12 @@ mod tests {
             b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
             b"HTTP/1.1 200 OK\r\ncontent-length: +1\r\n\r\n",
         ] {
-            assert!(parse_head(&mut BytesMut::from(input), false).is_err());
+            assert!(parse_head(&mut BytesMut::from(input), false, None).is_err());
         }
         let head = parse_head(
             &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n"[..]),
             false,
+            None,
         )
         .unwrap()
         .unwrap();

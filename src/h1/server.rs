@@ -538,6 +538,13 @@ async fn write_response(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    if let http_body_util::Either::Left(observed) = &body {
+        // A plain-HTTP backend's fields, as it sent them.
+        if let Some((lines, fields)) = observed.field_lines() {
+            out.extend_from_slice(lines);
+            dated |= fields.has_date;
+        }
+    }
     if !dated {
         out.extend_from_slice(b"date: ");
         append_date(out);

@@ -32,14 +32,12 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
 use super::{
-    Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, Step, format_hex, hop_by_hop, invalid,
-    itoa_u64, parse_content_length,
+    Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, READ_BUFFER, Span, append_chunk,
+    append_chunk_size, append_field, append_last_chunk, apply_connection, digits, ends_chunked,
+    field_spans, hop_by_hop, invalid, make_room, parse_content_length, poll_body,
 };
 use crate::body::UpstreamBody;
 
-/// Room kept free in the read buffer before a read; it grows by [`READ_BUFFER`] when less is left.
-const MIN_READ: usize = 1024;
-const READ_BUFFER: usize = 8 * 1024;
 /// A body in memory up to this size is copied behind the head and sent in the same write.
 const COALESCE_BODY: usize = 16 * 1024;
 
@@ -170,16 +168,6 @@ impl Connection {
             }
         }
     }
-
-    /// Reads more bytes into the read buffer; `Ok(0)` at the end of the connection.
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        if self.read.capacity() - self.read.len() < MIN_READ {
-            self.read.reserve(READ_BUFFER);
-        }
-        // Through `AsyncRead`: a short read clears the socket's readiness, so the next wait
-        // costs no system call.
-        std::pin::pin!(self.stream.read_buf(&mut self.read)).poll(cx)
-    }
 }
 
 enum Outcome {
@@ -217,9 +205,7 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
     out.extend_from_slice(head.target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     if let Some(host) = head.host {
-        out.extend_from_slice(b"host: ");
-        out.extend_from_slice(host.as_bytes());
-        out.extend_from_slice(b"\r\n");
+        append_field(out, b"host", host.as_bytes());
     }
     let mut chunked = false;
     let mut sized = false;
@@ -229,17 +215,13 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
         } else if name == header::CONTENT_LENGTH {
             sized = true;
         }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
+        append_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
     if !chunked && !sized {
         match body {
             UpstreamBody::Full { bytes: Some(bytes) } if !bytes.is_empty() => {
-                out.extend_from_slice(b"content-length: ");
-                out.extend_from_slice(itoa_u64(bytes.len() as u64).as_bytes());
-                out.extend_from_slice(b"\r\n");
+                let length = digits::<10>(bytes.len() as u64);
+                append_field(out, b"content-length", length.as_bytes());
             }
             UpstreamBody::Full { .. } => {}
             UpstreamBody::Streaming { .. } => {
@@ -307,14 +289,12 @@ async fn write_request(
         }
         if chunked {
             framing.clear();
-            framing.extend_from_slice(format_hex(data.len()).as_bytes());
-            framing.extend_from_slice(b"\r\n");
             if data.len() <= COALESCE_BODY {
-                framing.extend_from_slice(&data);
-                framing.extend_from_slice(b"\r\n");
+                append_chunk(&mut framing, &data);
                 writer.write_all(&framing).await.map_err(WriteError::Io)?;
                 continue;
             }
+            append_chunk_size(&mut framing, data.len());
             writer.write_all(&framing).await.map_err(WriteError::Io)?;
             writer.write_all(&data).await.map_err(WriteError::Io)?;
             writer.write_all(b"\r\n").await.map_err(WriteError::Io)?;
@@ -324,14 +304,7 @@ async fn write_request(
     }
     if chunked {
         framing.clear();
-        framing.extend_from_slice(b"0\r\n");
-        for (name, value) in trailers.iter().flatten() {
-            framing.extend_from_slice(name.as_str().as_bytes());
-            framing.extend_from_slice(b": ");
-            framing.extend_from_slice(value.as_bytes());
-            framing.extend_from_slice(b"\r\n");
-        }
-        framing.extend_from_slice(b"\r\n");
+        append_last_chunk(&mut framing, trailers.as_ref());
         writer.write_all(&framing).await.map_err(WriteError::Io)?;
     }
     Ok(())
@@ -382,9 +355,7 @@ async fn read_head(
                 return Err(invalid("response head too large"));
             }
         }
-        if buffer.capacity() - buffer.len() < MIN_READ {
-            buffer.reserve(READ_BUFFER);
-        }
+        make_room(buffer);
         if reader.read_buf(buffer).await? == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -408,7 +379,7 @@ fn parse_head(
     lines: Option<&mut Vec<u8>>,
 ) -> io::Result<Option<Head>> {
     let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut spans: [Span; MAX_HEADERS] = [(0, 0, 0, 0); MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut []);
     let parser = httparse::ParserConfig::default();
     let status = match parser.parse_response_with_uninit_headers(&mut parsed, buffer, &mut fields) {
@@ -429,19 +400,8 @@ fn parse_head(
     } else {
         Version::HTTP_11
     };
-    let base = buffer.as_ptr() as usize;
     let count = parsed.headers.len();
-    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
-        let name = field.name.as_ptr() as usize - base;
-        let value = field.value.as_ptr() as usize - base;
-        // A head is at most `MAX_HEAD_BYTES` long, so offsets fit.
-        *span = (
-            name as u32,
-            (name + field.name.len()) as u32,
-            value as u32,
-            (value + field.value.len()) as u32,
-        );
-    }
+    field_spans(buffer, parsed.headers, &mut spans);
     if (100..200).contains(&code) && code != 101 {
         buffer.advance(length);
         return Ok(None);
@@ -453,30 +413,17 @@ fn parse_head(
     // Framing and connection fields first.
     let mut content_length: Option<u64> = None;
     let mut transfer_encoding: Option<bool> = None;
-    let mut close = version == Version::HTTP_10;
+    let http10 = version == Version::HTTP_10;
+    let mut keep_alive = !http10;
     let mut connection_names_fields = false;
     for &(name_start, name_end, value_start, value_end) in spans {
         let (raw_name, raw_value) = (field(name_start, name_end), field(value_start, value_end));
         match hop_by_hop(raw_name) {
             Some(Hop::Connection) => {
-                for token in raw_value.split(|&b| b == b',') {
-                    let token = token.trim_ascii();
-                    if token.eq_ignore_ascii_case(b"close") {
-                        close = true;
-                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                        if version == Version::HTTP_10 {
-                            close = false;
-                        }
-                    } else if !token.is_empty() {
-                        connection_names_fields = true;
-                    }
-                }
+                connection_names_fields |= apply_connection(raw_value, http10, &mut keep_alive);
             }
-            Some(Hop::TransferEncoding) => {
-                // The last coding decides: chunked, or read to the end of the connection.
-                let last = raw_value.rsplit(|&b| b == b',').next().unwrap_or(b"");
-                transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            }
+            // Chunked, or (any other last coding) read to the end of the connection.
+            Some(Hop::TransferEncoding) => transfer_encoding = Some(ends_chunked(raw_value)),
             Some(Hop::Other) => {}
             None if raw_name.eq_ignore_ascii_case(b"content-length") => {
                 let length = parse_content_length(raw_value)?;
@@ -510,10 +457,7 @@ fn parse_head(
                 } else if raw_name.eq_ignore_ascii_case(b"retry-after") {
                     seen.retry_after = Some(head.slice(value_start as usize..value_end as usize));
                 }
-                lines.extend_from_slice(raw_name);
-                lines.extend_from_slice(b": ");
-                lines.extend_from_slice(raw_value);
-                lines.extend_from_slice(b"\r\n");
+                append_field(lines, raw_name, raw_value);
             }
             passthrough = Some(seen);
         }
@@ -543,7 +487,7 @@ fn parse_head(
     } else if let Some(chunked) = transfer_encoding {
         if content_length.is_some() {
             // Both lengths: the message is read as chunked, and the connection not reused.
-            close = true;
+            keep_alive = false;
         }
         if chunked {
             Framing::Chunked(Chunked::Size)
@@ -555,7 +499,7 @@ fn parse_head(
     } else {
         Framing::Close
     };
-    let keep_alive = !close && code != 101 && !matches!(framing, Framing::Close);
+    let keep_alive = keep_alive && code != 101 && framing != Framing::Close;
     Ok(Some(Head {
         status,
         version,
@@ -620,33 +564,13 @@ impl Body for ResponseStream {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
-        loop {
-            let Some(connection) = this.connection.as_mut() else {
-                return Poll::Ready(None);
-            };
-            match this.framing.decode(&mut connection.read) {
-                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                Ok(Step::Trailers(trailers)) => {
-                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                }
-                Ok(Step::End) => return Poll::Ready(None),
-                Ok(Step::More) => {}
-                Err(error) => return this.fail(error),
-            }
-            match ready!(connection.poll_fill(cx)) {
-                Ok(0) if this.framing.ends_at_eof() => {
-                    this.keep_alive = false;
-                    return Poll::Ready(None);
-                }
-                Ok(0) => {
-                    return this.fail(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed before the response body ended",
-                    ));
-                }
-                Ok(_) => {}
-                Err(error) => return this.fail(error),
-            }
+        let Some(connection) = this.connection.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let Connection { stream, read, .. } = connection;
+        match ready!(poll_body(&mut this.framing, stream, read, cx)) {
+            Ok(frame) => Poll::Ready(frame.map(Ok)),
+            Err(error) => this.fail(error),
         }
     }
 

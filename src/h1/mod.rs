@@ -1,13 +1,18 @@
 //! HTTP/1.1 written for proxying, on both sides of the router: [`client`] speaks to plain-HTTP
 //! backends, [`server`] to clients. The two share what this module holds: the limits every
-//! buffer is held to, the chunked transfer coding, `Content-Length` parsing and the hop-by-hop
-//! field names.
+//! buffer is held to, reading a body as it is polled (by length, chunked, or to the end of the
+//! connection), writing field lines and chunks, reading `Content-Length`, `Transfer-Encoding`
+//! and `Connection`, and the hop-by-hop field names.
 
+use std::future::Future;
 use std::io;
+use std::pin::pin;
+use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
-use http_body::SizeHint;
+use http_body::{Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 pub mod client;
 pub mod server;
@@ -21,58 +26,148 @@ pub const MAX_HEADERS: usize = 100;
 /// Longest chunk-size line accepted (extensions included).
 pub const MAX_LINE_BYTES: usize = 4096;
 
-/// Decimal text of `value` (a `Content-Length`), without allocating.
-pub(crate) fn itoa_u64(value: u64) -> ItoaBuffer {
-    let mut buffer = ItoaBuffer {
+/// Room kept free in a read buffer before a read; it grows by [`READ_BUFFER`] when less is left.
+const MIN_READ: usize = 1024;
+/// The size a connection's read buffer starts with, and grows by.
+pub(crate) const READ_BUFFER: usize = 8 * 1024;
+
+/// Makes room in `buffer` for the next read.
+pub(crate) fn make_room(buffer: &mut BytesMut) {
+    if buffer.capacity() - buffer.len() < MIN_READ {
+        buffer.reserve(READ_BUFFER);
+    }
+}
+
+/// The text of `value` in base `RADIX` (10 for a `Content-Length`, 16 for a chunk size), without
+/// allocating.
+pub(crate) fn digits<const RADIX: u64>(value: u64) -> Digits {
+    let mut buffer = Digits {
         digits: [0; 20],
         start: 20,
     };
     let mut rest = value;
     loop {
         buffer.start -= 1;
-        buffer.digits[buffer.start] = b'0' + (rest % 10) as u8;
-        rest /= 10;
+        buffer.digits[buffer.start] = b"0123456789abcdef"[(rest % RADIX) as usize];
+        rest /= RADIX;
         if rest == 0 {
             return buffer;
         }
     }
 }
 
-pub(crate) struct ItoaBuffer {
+pub(crate) struct Digits {
     digits: [u8; 20],
     start: usize,
 }
 
-impl ItoaBuffer {
+impl Digits {
     pub(crate) fn as_bytes(&self) -> &[u8] {
         &self.digits[self.start..]
     }
 }
 
-pub(crate) fn format_hex(value: usize) -> HexBuffer {
-    let mut buffer = HexBuffer {
-        digits: [0; 16],
-        start: 16,
-    };
-    let mut rest = value;
-    loop {
-        buffer.start -= 1;
-        buffer.digits[buffer.start] = b"0123456789abcdef"[rest & 0xf];
-        rest >>= 4;
-        if rest == 0 {
-            return buffer;
+/// Appends the field line `name: value`.
+pub(crate) fn append_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends the size line of a chunk of `length` bytes.
+pub(crate) fn append_chunk_size(out: &mut Vec<u8>, length: usize) {
+    out.extend_from_slice(digits::<16>(length as u64).as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends `data` as one chunk.
+pub(crate) fn append_chunk(out: &mut Vec<u8>, data: &[u8]) {
+    append_chunk_size(out, data.len());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends the last chunk and the trailer block.
+pub(crate) fn append_last_chunk(out: &mut Vec<u8>, trailers: Option<&HeaderMap>) {
+    out.extend_from_slice(b"0\r\n");
+    for (name, value) in trailers.into_iter().flatten() {
+        append_field(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Whether a `Transfer-Encoding` value's last coding is `chunked` (the last coding decides how
+/// a message is delimited).
+pub(crate) fn ends_chunked(value: &[u8]) -> bool {
+    let last = value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+    last.trim_ascii().eq_ignore_ascii_case(b"chunked")
+}
+
+/// Applies a `Connection` value's tokens, in order, to `keep_alive`: `close` ends the
+/// connection, `keep-alive` keeps an HTTP/1.0 one. Returns whether the value names other fields.
+pub(crate) fn apply_connection(value: &[u8], http10: bool, keep_alive: &mut bool) -> bool {
+    let mut names_fields = false;
+    for token in value.split(|&b| b == b',') {
+        let token = token.trim_ascii();
+        if token.eq_ignore_ascii_case(b"close") {
+            *keep_alive = false;
+        } else if token.eq_ignore_ascii_case(b"keep-alive") {
+            if http10 {
+                *keep_alive = true;
+            }
+        } else if !token.is_empty() {
+            names_fields = true;
         }
     }
+    names_fields
 }
 
-pub(crate) struct HexBuffer {
-    digits: [u8; 16],
-    start: usize,
+/// Where a parsed field's name and value lie in the head: start and end of each, as offsets
+/// from the head's first byte (a head is far below 4 GiB).
+pub(crate) type Span = (u32, u32, u32, u32);
+
+/// Fills `spans` with where each of `fields` lies in `head` (what httparse parsed them from).
+pub(crate) fn field_spans(head: &[u8], fields: &[httparse::Header<'_>], spans: &mut [Span]) {
+    let base = head.as_ptr() as usize;
+    for (span, field) in spans.iter_mut().zip(fields) {
+        let name = field.name.as_ptr() as usize - base;
+        let value = field.value.as_ptr() as usize - base;
+        *span = (
+            name as u32,
+            (name + field.name.len()) as u32,
+            value as u32,
+            (value + field.value.len()) as u32,
+        );
+    }
 }
 
-impl HexBuffer {
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        &self.digits[self.start..]
+/// Polls the next frame of a body delimited by `framing` out of `buffer`, reading from `reader`
+/// when more is needed; `None` at the body's end. A body that is not delimited by the end of the
+/// connection fails if the connection ends first.
+pub(crate) fn poll_body<R: AsyncRead + Unpin>(
+    framing: &mut Framing,
+    reader: &mut R,
+    buffer: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<Option<Frame<Bytes>>>> {
+    loop {
+        match framing.decode(buffer)? {
+            Step::Data(data) => return Poll::Ready(Ok(Some(Frame::data(data)))),
+            Step::Trailers(trailers) => return Poll::Ready(Ok(Some(Frame::trailers(trailers)))),
+            Step::End => return Poll::Ready(Ok(None)),
+            Step::More => {}
+        }
+        make_room(buffer);
+        if ready!(pin!(reader.read_buf(buffer)).poll(cx))? == 0 {
+            if framing.ends_at_eof() {
+                return Poll::Ready(Ok(None));
+            }
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed before the body ended",
+            )));
+        }
     }
 }
 
@@ -421,9 +516,9 @@ mod tests {
     #[test]
     fn numbers_are_written_without_allocating() {
         for value in [0u64, 7, 10, 1234567890, u64::MAX] {
-            assert_eq!(itoa_u64(value).as_bytes(), value.to_string().as_bytes());
+            assert_eq!(digits::<10>(value).as_bytes(), value.to_string().as_bytes());
             assert_eq!(
-                format_hex(value as usize).as_bytes(),
+                digits::<16>(value).as_bytes(),
                 format!("{:x}", value as usize).as_bytes()
             );
         }

@@ -43,15 +43,16 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 
-use super::{Chunked, Framing, MAX_HEADERS, Step, format_hex, itoa_u64, parse_content_length};
+use super::{
+    Chunked, Framing, MAX_HEADERS, READ_BUFFER, Span, append_chunk, append_field,
+    append_last_chunk, apply_connection, digits, ends_chunked, field_spans, make_room,
+    parse_content_length, poll_body,
+};
 use crate::body::{ClientBody, ResponseBody};
 use crate::response;
 
 /// Request bodies of known length up to this many bytes are read with their head.
 pub const READ_WHOLE: u64 = 64 * 1024;
-
-const MIN_READ: usize = 1024;
-const READ_BUFFER: usize = 8 * 1024;
 
 /// What a connection is held to.
 #[derive(Debug, Clone, Copy)]
@@ -73,17 +74,8 @@ struct Inbound {
 impl Inbound {
     /// Reads more; `Ok(0)` at the end of the connection.
     async fn fill(&mut self) -> io::Result<usize> {
-        if self.buffer.capacity() - self.buffer.len() < MIN_READ {
-            self.buffer.reserve(READ_BUFFER);
-        }
+        make_room(&mut self.buffer);
         self.half.read_buf(&mut self.buffer).await
-    }
-
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        if self.buffer.capacity() - self.buffer.len() < MIN_READ {
-            self.buffer.reserve(READ_BUFFER);
-        }
-        pin!(self.half.read_buf(&mut self.buffer)).poll(cx)
     }
 }
 
@@ -250,9 +242,7 @@ async fn client_gone(input: &mut Inbound) -> bool {
         if input.half.readable().await.is_err() {
             return true;
         }
-        if input.buffer.capacity() - input.buffer.len() < MIN_READ {
-            input.buffer.reserve(READ_BUFFER);
-        }
+        make_room(&mut input.buffer);
         match input.half.try_read_buf(&mut input.buffer) {
             Ok(0) => return true,
             Ok(_) => return false,
@@ -355,7 +345,7 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
         }
     }
     let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut spans: [Span; MAX_HEADERS] = [(0, 0, 0, 0); MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut []);
     let status = match parsed.parse_with_uninit_headers(buffer, &mut fields) {
         Ok(status) => status,
@@ -395,21 +385,13 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
     } else {
         Version::HTTP_11
     };
-    let base = buffer.as_ptr() as usize;
     let path = parsed.path.unwrap_or_default();
-    let path_span = (path.as_ptr() as usize - base, path.len());
+    let path_span = (
+        path.as_ptr() as usize - buffer.as_ptr() as usize,
+        path.len(),
+    );
     let count = parsed.headers.len();
-    for (span, field) in spans.iter_mut().zip(parsed.headers.iter()) {
-        let name = field.name.as_ptr() as usize - base;
-        let value = field.value.as_ptr() as usize - base;
-        // A head is at most `max_header_bytes` long, far below 4 GiB.
-        *span = (
-            name as u32,
-            (name + field.name.len()) as u32,
-            value as u32,
-            (value + field.value.len()) as u32,
-        );
-    }
+    field_spans(buffer, parsed.headers, &mut spans);
     let head = buffer.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
         .map_err(|_| bad("invalid request target"))?;
@@ -433,21 +415,13 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
             }
             content_length = Some(length);
         } else if name == header::TRANSFER_ENCODING {
-            let last = value
-                .as_bytes()
-                .rsplit(|&b| b == b',')
-                .next()
-                .unwrap_or(b"");
-            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            chunked = Some(ends_chunked(value.as_bytes()));
         } else if name == header::CONNECTION {
-            for token in value.as_bytes().split(|&b| b == b',') {
-                let token = token.trim_ascii();
-                if token.eq_ignore_ascii_case(b"close") {
-                    keep_alive = false;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10 {
-                    keep_alive = true;
-                }
-            }
+            apply_connection(
+                value.as_bytes(),
+                version == Version::HTTP_10,
+                &mut keep_alive,
+            );
         } else if name == header::EXPECT {
             expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
         }
@@ -533,10 +507,7 @@ async fn write_response(
         } else if name == header::DATE {
             dated = true;
         }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
+        append_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
     if let http_body_util::Either::Left(observed) = &body {
         // A plain-HTTP backend's fields, as it sent them.
@@ -555,9 +526,7 @@ async fn write_response(
     } else if let Some(length) = declared {
         Outgoing::Length(length)
     } else if let Some(length) = body.size_hint().exact() {
-        out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(itoa_u64(length).as_bytes());
-        out.extend_from_slice(b"\r\n");
+        append_field(out, b"content-length", digits::<10>(length).as_bytes());
         Outgoing::Length(length)
     } else if http10 {
         close = true;
@@ -595,7 +564,7 @@ async fn write_response(
         let frame = match frame {
             None => {
                 if framing == Outgoing::Chunked {
-                    out.extend_from_slice(b"0\r\n\r\n");
+                    append_last_chunk(out, None);
                 }
                 break;
             }
@@ -613,24 +582,14 @@ async fn write_response(
                 }
                 sent += data.len() as u64;
                 if framing == Outgoing::Chunked {
-                    out.extend_from_slice(format_hex(data.len()).as_bytes());
-                    out.extend_from_slice(b"\r\n");
-                    out.extend_from_slice(&data);
-                    out.extend_from_slice(b"\r\n");
+                    append_chunk(out, &data);
                 } else {
                     out.extend_from_slice(&data);
                 }
             }
             Err(frame) => {
                 if let (Ok(trailers), Outgoing::Chunked) = (frame.into_trailers(), framing) {
-                    out.extend_from_slice(b"0\r\n");
-                    for (name, value) in &trailers {
-                        out.extend_from_slice(name.as_str().as_bytes());
-                        out.extend_from_slice(b": ");
-                        out.extend_from_slice(value.as_bytes());
-                        out.extend_from_slice(b"\r\n");
-                    }
-                    out.extend_from_slice(b"\r\n");
+                    append_last_chunk(out, Some(&trailers));
                     body = ResponseBody::Right(http_body_util::Full::new(Bytes::new()));
                     break;
                 }
@@ -752,38 +711,22 @@ impl Body for RequestStream {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
-        loop {
-            let Some(input) = this.inbound.as_mut() else {
-                return Poll::Ready(None);
-            };
-            let step = match this.framing.decode(&mut input.buffer) {
-                Ok(step) => step,
-                Err(error) => return this.fail(error),
-            };
-            if this.framing.is_end() {
-                this.finish();
-            }
-            match step {
-                Step::Data(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                Step::Trailers(trailers) => {
-                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+        let Some(input) = this.inbound.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match ready!(poll_body(
+            &mut this.framing,
+            &mut input.half,
+            &mut input.buffer,
+            cx
+        )) {
+            Ok(frame) => {
+                if this.framing.is_end() {
+                    this.finish();
                 }
-                Step::End => return Poll::Ready(None),
-                Step::More => {}
+                Poll::Ready(frame.map(Ok))
             }
-            let Some(input) = this.inbound.as_mut() else {
-                return Poll::Ready(None);
-            };
-            match ready!(input.poll_fill(cx)) {
-                Ok(0) => {
-                    return this.fail(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "client closed the connection before the request body ended",
-                    ));
-                }
-                Ok(_) => {}
-                Err(error) => return this.fail(error),
-            }
+            Err(error) => this.fail(error),
         }
     }
 

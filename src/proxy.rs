@@ -375,11 +375,6 @@ enum Attempt {
     Failed(ErrorKind),
 }
 
-/// The `Retry-After` of a response in seconds (delta-seconds form; any other form counts as 1 s).
-pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    retry_after_value(headers.get(header::RETRY_AFTER)?.as_bytes())
-}
-
 /// A `Retry-After` value in seconds (delta-seconds form; any other visible-ASCII text counts as
 /// 1 s, anything else as no value).
 pub fn retry_after_value(value: &[u8]) -> Option<Duration> {
@@ -397,10 +392,8 @@ pub fn retry_after_value(value: &[u8]) -> Option<Duration> {
     }))
 }
 
-fn is_event_stream(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"))
+fn is_event_stream(content_type: &[u8]) -> bool {
+    content_type.starts_with(b"text/event-stream")
 }
 
 fn is_busy(status: StatusCode, retry_after: Option<Duration>) -> bool {
@@ -431,13 +424,24 @@ async fn attempt(
             let (mut parts, body) = upstream.into_parts();
             let status = parts.status;
             // Fields a plain-HTTP backend sent are read as lines, not put in the map.
-            let (retry_after, event_stream) = match body.passthrough() {
+            let (retry_after, content_type) = match body.passthrough() {
                 Some(fields) => (
-                    fields.retry_after.as_deref().and_then(retry_after_value),
-                    fields.event_stream,
+                    fields.retry_after.as_deref(),
+                    fields.content_type.as_deref(),
                 ),
-                None => (retry_after(&parts.headers), is_event_stream(&parts.headers)),
+                None => (
+                    parts
+                        .headers
+                        .get(header::RETRY_AFTER)
+                        .map(HeaderValue::as_bytes),
+                    parts
+                        .headers
+                        .get(header::CONTENT_TYPE)
+                        .map(HeaderValue::as_bytes),
+                ),
             };
+            let retry_after = retry_after.and_then(retry_after_value);
+            let event_stream = content_type.is_some_and(is_event_stream);
             if may_retry_busy && is_busy(status, retry_after) {
                 lease.finish(Finish {
                     status: Some(status),

@@ -328,8 +328,8 @@ struct Head {
 pub struct Passthrough {
     /// The lines include a `Date`.
     pub has_date: bool,
-    /// `Content-Type` is `text/event-stream`.
-    pub event_stream: bool,
+    /// The `Content-Type` value.
+    pub content_type: Option<Bytes>,
     /// The `Retry-After` value.
     pub retry_after: Option<Bytes>,
 }
@@ -453,7 +453,7 @@ fn parse_head(
                 if raw_name.eq_ignore_ascii_case(b"date") {
                     seen.has_date = true;
                 } else if raw_name.eq_ignore_ascii_case(b"content-type") {
-                    seen.event_stream = raw_value.starts_with(b"text/event-stream");
+                    seen.content_type = Some(head.slice(value_start as usize..value_end as usize));
                 } else if raw_name.eq_ignore_ascii_case(b"retry-after") {
                     seen.retry_after = Some(head.slice(value_start as usize..value_end as usize));
                 }
@@ -689,7 +689,11 @@ mod tests {
             "Date: Mon, 30 Nov 2026 10:00:00 GMT\r\nContent-Type: text/event-stream\r\nRetry-After: 3\r\nX-A: 1\r\n"
         );
         let fields = parsed.passthrough.unwrap();
-        assert!(fields.has_date && fields.event_stream);
+        assert!(fields.has_date);
+        assert_eq!(
+            fields.content_type.as_deref(),
+            Some(&b"text/event-stream"[..])
+        );
         assert_eq!(fields.retry_after.as_deref(), Some(&b"3"[..]));
         assert_eq!(parsed.framing, Framing::Length(5));
         // Without a body the length stays; a `Connection` naming a field puts all in the map.

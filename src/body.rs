@@ -6,6 +6,7 @@
 //! connection back); an upstream error records an I/O failure; a drop before the end (the client
 //! went away) records nothing but still releases the backend, and closes the connection.
 
+use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -92,12 +93,49 @@ impl Body for BackendBody {
 /// A body error, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// A body held whole in memory, handed out as one frame (none when empty).
+#[derive(Debug, Default)]
+pub struct Whole(Option<Bytes>);
+
+impl Whole {
+    /// A body of `bytes`.
+    pub fn new(bytes: Bytes) -> Self {
+        Self(Some(bytes))
+    }
+
+    /// The bytes, until they were handed out.
+    pub fn bytes(&self) -> Option<&Bytes> {
+        self.0.as_ref()
+    }
+}
+
+impl Body for Whole {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let bytes = self.get_mut().0.take();
+        Poll::Ready(bytes.filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.as_ref().is_none_or(Bytes::is_empty)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.0.as_ref().map_or(0, |bytes| bytes.len() as u64))
+    }
+}
+
 /// A client's request body: read whole by the HTTP/1 server, streamed from its connection, or
 /// from hyper (HTTP/2 connections).
 #[derive(Debug)]
 pub enum ClientBody {
-    /// The whole body, read with the head (`None` once taken).
-    Full(Option<Bytes>),
+    /// The whole body, read with the head.
+    Full(Whole),
     /// Read from the HTTP/1 connection as it is polled.
     Streaming(RequestStream),
     /// From hyper's server.
@@ -107,7 +145,7 @@ pub enum ClientBody {
 impl ClientBody {
     /// An empty body.
     pub fn empty() -> Self {
-        ClientBody::Full(None)
+        ClientBody::Full(Whole::default())
     }
 }
 
@@ -120,12 +158,9 @@ impl Body for ClientBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            ClientBody::Full(bytes) => Poll::Ready(
-                bytes
-                    .take()
-                    .filter(|bytes| !bytes.is_empty())
-                    .map(|bytes| Ok(Frame::data(bytes))),
-            ),
+            ClientBody::Full(whole) => Pin::new(whole)
+                .poll_frame(cx)
+                .map_err(|never| match never {}),
             ClientBody::Streaming(stream) => Pin::new(stream)
                 .poll_frame(cx)
                 .map_err(|error| Box::new(error) as BoxError),
@@ -137,7 +172,7 @@ impl Body for ClientBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            ClientBody::Full(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
+            ClientBody::Full(whole) => whole.is_end_stream(),
             ClientBody::Streaming(stream) => stream.is_end_stream(),
             ClientBody::Hyper(incoming) => incoming.is_end_stream(),
         }
@@ -145,9 +180,7 @@ impl Body for ClientBody {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            ClientBody::Full(bytes) => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
-            }
+            ClientBody::Full(whole) => whole.size_hint(),
             ClientBody::Streaming(stream) => stream.size_hint(),
             ClientBody::Hyper(incoming) => incoming.size_hint(),
         }
@@ -265,23 +298,33 @@ impl Body for ObservedBody {
     }
 }
 
-pin_project_lite::pin_project! {
-    /// A request body sent to a backend: bytes kept in memory (replayable for a retry), or the
-    /// client's body streamed through after the part already read.
-    #[project = UpstreamBodyProjection]
-    #[derive(Debug)]
-    pub enum UpstreamBody {
-        /// The whole body, in memory (`None` once sent).
-        Full { bytes: Option<Bytes> },
-        /// What was read so far, then the rest as the client sends it.
-        Streaming { prefix: Option<Bytes>, #[pin] rest: ClientBody },
-    }
+/// A request body sent to a backend: bytes kept in memory (replayable for a retry), or the
+/// client's body streamed through after the part already read.
+#[derive(Debug)]
+pub enum UpstreamBody {
+    /// The whole body, in memory.
+    Full(Whole),
+    /// What was read so far, then the rest as the client sends it.
+    Streaming {
+        /// Read before the request was sent.
+        prefix: Option<Bytes>,
+        /// The rest.
+        rest: ClientBody,
+    },
 }
 
 impl UpstreamBody {
     /// A body of `bytes`.
     pub fn full(bytes: Bytes) -> Self {
-        UpstreamBody::Full { bytes: Some(bytes) }
+        UpstreamBody::Full(Whole::new(bytes))
+    }
+
+    /// The bytes of a body in memory, until they were sent.
+    pub fn in_memory(&self) -> Option<&Bytes> {
+        match self {
+            UpstreamBody::Full(whole) => whole.bytes(),
+            UpstreamBody::Streaming { .. } => None,
+        }
     }
 }
 
@@ -293,32 +336,27 @@ impl Body for UpstreamBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.project() {
-            UpstreamBodyProjection::Full { bytes } => Poll::Ready(
-                bytes
-                    .take()
-                    .filter(|bytes| !bytes.is_empty())
-                    .map(|bytes| Ok(Frame::data(bytes))),
-            ),
-            UpstreamBodyProjection::Streaming { prefix, rest } => match prefix.take() {
+        match self.get_mut() {
+            UpstreamBody::Full(whole) => Pin::new(whole)
+                .poll_frame(cx)
+                .map_err(|never| match never {}),
+            UpstreamBody::Streaming { prefix, rest } => match prefix.take() {
                 Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-                None => rest.poll_frame(cx),
+                None => Pin::new(rest).poll_frame(cx),
             },
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            UpstreamBody::Full { bytes } => bytes.as_ref().is_none_or(Bytes::is_empty),
+            UpstreamBody::Full(whole) => whole.is_end_stream(),
             UpstreamBody::Streaming { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            UpstreamBody::Full { bytes } => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
-            }
+            UpstreamBody::Full(whole) => whole.size_hint(),
             UpstreamBody::Streaming { prefix, rest } => {
                 let read = prefix.as_ref().map_or(0, |p| p.len() as u64);
                 let rest = rest.size_hint();

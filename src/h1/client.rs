@@ -94,7 +94,7 @@ impl Connection {
         let head_request = *head.method == Method::HEAD;
         // A body in memory goes behind the head, in the same write when it is small.
         let mut rest_of_body = None;
-        if let UpstreamBody::Full { bytes: Some(bytes) } = &body {
+        if let Some(bytes) = body.in_memory() {
             if bytes.len() <= COALESCE_BODY {
                 self.write.extend_from_slice(bytes);
             } else {
@@ -111,7 +111,7 @@ impl Connection {
         };
         let whole = written == self.write.len()
             && rest_of_body.is_none()
-            && matches!(body, UpstreamBody::Full { .. });
+            && matches!(body, UpstreamBody::Full(_));
         let outcome = if whole {
             let (mut reader, _) = self.stream.split();
             Outcome::Answered(
@@ -219,11 +219,13 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
     }
     if !chunked && !sized {
         match body {
-            UpstreamBody::Full { bytes: Some(bytes) } if !bytes.is_empty() => {
-                let length = digits::<10>(bytes.len() as u64);
-                append_field(out, b"content-length", length.as_bytes());
+            UpstreamBody::Full(whole) => {
+                let length = whole.bytes().map_or(0, Bytes::len);
+                if length > 0 {
+                    let length = digits::<10>(length as u64);
+                    append_field(out, b"content-length", length.as_bytes());
+                }
             }
-            UpstreamBody::Full { .. } => {}
             UpstreamBody::Streaming { .. } => {
                 out.extend_from_slice(b"transfer-encoding: chunked\r\n");
                 chunked = true;
@@ -263,7 +265,7 @@ async fn write_request(
     if let Some(bytes) = pending.rest_of_body {
         return writer.write_all(&bytes).await.map_err(WriteError::Io);
     }
-    if let UpstreamBody::Full { .. } = body {
+    if let UpstreamBody::Full(_) = body {
         return Ok(());
     }
     // Chunk framing is written into its own small buffer (streamed bodies are rare).

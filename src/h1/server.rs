@@ -48,7 +48,7 @@ use super::{
     append_last_chunk, apply_connection, digits, ends_chunked, field_spans, make_room,
     parse_content_length, poll_body,
 };
-use crate::body::{ClientBody, ResponseBody};
+use crate::body::{ClientBody, ResponseBody, Whole};
 use crate::response;
 
 /// Request bodies of known length up to this many bytes are read with their head.
@@ -160,7 +160,7 @@ pub async fn serve<H, F>(
             BodyLength::Length(0) => (ClientBody::empty(), Some(input)),
             BodyLength::Length(length) if length <= READ_WHOLE => {
                 match read_whole(&mut input, length as usize).await {
-                    Some(bytes) => (ClientBody::Full(Some(bytes)), Some(input)),
+                    Some(bytes) => (ClientBody::Full(Whole::new(bytes)), Some(input)),
                     None => return,
                 }
             }

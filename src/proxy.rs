@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use futures_util::future::{self, FutureExt as _};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Method, Request, Response, StatusCode, Version};
@@ -57,18 +58,33 @@ impl UpstreamClient {
     /// attempt needs no copy of it); the response body then holds the connection, which goes back
     /// once the body has been read to its end. An `https://` backend gets a request built from
     /// `head`: its headers are copied unless this is the `last` attempt.
-    pub async fn send(
+    ///
+    /// Not an `async fn`: the exchange's own future is returned, not moved into another one.
+    pub fn send<'a>(
+        &'a self,
+        backend: &'a Arc<Backend>,
+        head: &'a mut RequestHead,
+        body: UpstreamBody,
+        last: bool,
+    ) -> impl Future<Output = Result<Response<BackendBody>, ErrorKind>> + 'a {
+        let addr = backend.addr();
+        if addr.is_https() {
+            future::Either::Right(self.send_tls(addr, head, body, last))
+        } else {
+            future::Either::Left(
+                pool::send(backend, head.h1(addr), body, self.connect_timeout)
+                    .map(|sent| sent.map(|response| response.map(BackendBody::Pooled))),
+            )
+        }
+    }
+
+    async fn send_tls(
         &self,
-        backend: &Arc<Backend>,
+        addr: &BackendAddr,
         head: &mut RequestHead,
         body: UpstreamBody,
         last: bool,
     ) -> Result<Response<BackendBody>, ErrorKind> {
-        let addr = backend.addr();
-        if !addr.is_https() {
-            let response = pool::send(backend, head.h1(addr), body, self.connect_timeout).await?;
-            return Ok(response.map(BackendBody::Pooled));
-        }
         let https = self.https.get_or_init(|| {
             let connector = HttpsConnectorBuilder::new()
                 .with_tls_config(tls_config(&self.extra_ca_certs))

@@ -7,6 +7,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::Either;
 use http::{Request, Response};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -261,12 +262,7 @@ impl Acceptor {
             // Only the HTTP/2 preface starts with `PRI` (a method HTTP/1 reserves for it): any
             // other start is an HTTP/1 request (or garbage, answered 400).
             if !b"PRI".starts_with(&first[..peeked]) {
-                h1::server::serve(stream, limits, draining, |request| {
-                    let shared = Arc::clone(&shared);
-                    let client = Arc::clone(&client);
-                    async move { route(&shared, request, &client).await }
-                })
-                .await;
+                h1::server::serve(stream, limits, draining, Routes { shared, client }).await;
                 drop(open);
                 drop(slot);
                 return;
@@ -337,15 +333,41 @@ fn conflicting_framing() -> Response<ResponseBody> {
     answer
 }
 
-async fn route(
-    shared: &Shared,
+/// The answer to `request`: from the admin API for its paths, from a backend otherwise.
+///
+/// Not an `async fn`: the proxy's future is returned as it is, so that it is not moved into one
+/// more future on each request (the admin API's, seldom called, is boxed to keep it small).
+fn route<'a>(
+    shared: &'a Shared,
     request: Request<ClientBody>,
-    client: &ForwardedFor,
-) -> Response<ResponseBody> {
+    client: &'a ForwardedFor,
+) -> impl Future<Output = Response<ResponseBody>> + 'a {
     if admin::is_admin_path(request.uri().path()) {
-        return admin::handle(&shared.balancer, &shared.admin, request).await;
+        Either::Left(Box::pin(admin::handle(
+            &shared.balancer,
+            &shared.admin,
+            request,
+        )))
+    } else {
+        Either::Right(proxy::proxy(
+            &shared.balancer,
+            &shared.policy,
+            request,
+            client,
+        ))
     }
-    proxy::proxy(&shared.balancer, &shared.policy, request, client).await
+}
+
+/// Routes the requests of one HTTP/1 connection.
+struct Routes {
+    shared: Arc<Shared>,
+    client: Arc<ForwardedFor>,
+}
+
+impl h1::server::Handler for Routes {
+    fn call(&self, request: Request<ClientBody>) -> impl Future<Output = Response<ResponseBody>> {
+        route(&self.shared, request, &self.client)
+    }
 }
 
 /// Closes backend connections idle for longer than the idle timeout, a third of it apart.

@@ -109,16 +109,22 @@ enum Refusal {
     Answer(StatusCode, &'static str),
 }
 
+/// What answers the requests of a connection.
+///
+/// The answer's future may borrow the handler, which lives as long as the connection: it is
+/// built right in the connection's state, with no future of its own around it.
+pub trait Handler {
+    /// The answer to `request`.
+    fn call(&self, request: Request<ClientBody>) -> impl Future<Output = Response<ResponseBody>>;
+}
+
 /// Serves one client connection with `handler` until it ends (see the module documentation).
-pub async fn serve<H, F>(
+pub async fn serve<H: Handler>(
     stream: TcpStream,
     limits: Limits,
     mut draining: watch::Receiver<bool>,
     handler: H,
-) where
-    H: Fn(Request<ClientBody>) -> F,
-    F: Future<Output = Response<ResponseBody>>,
-{
+) {
     let (half, mut writer) = stream.into_split();
     let mut inbound = Some(Inbound {
         half,
@@ -178,10 +184,9 @@ pub async fn serve<H, F>(
                 (ClientBody::Streaming(stream), None)
             }
         };
-        let request = request.map(|()| body);
+        let answer = pin!(handler.call(request.map(|()| body)));
         let answer = match held {
             Some(mut input) => {
-                let answer = pin!(handler(request));
                 let Some(answer) = answer_unless_gone(answer, &mut input).await else {
                     // The client left: dropping the handler's future withdrew the request.
                     return;
@@ -189,7 +194,7 @@ pub async fn serve<H, F>(
                 inbound = Some(input);
                 answer
             }
-            None => handler(request).await,
+            None => answer.await,
         };
         if *draining.borrow() {
             keep_alive = false;

@@ -291,8 +291,7 @@ impl Balancer {
 
     /// Admits one request: returns a lease on a backend, possibly after waiting in the queue.
     pub async fn admit(self: &Arc<Self>, info: RequestInfo) -> Result<Lease, Rejection> {
-        let enqueued_at = Instant::now();
-        let (seq, reply) = {
+        let (seq, reply, enqueued_at) = {
             let mut queue = self.lock();
             if queue.waiters.is_empty() {
                 if let Some(backend) = self.pick(&info, &self.eligible.load()) {
@@ -311,7 +310,10 @@ impl Balancer {
                 self.metrics.shed.add(1, &[]);
                 return Err(Rejection::Overloaded(drain));
             }
-            self.enqueue_locked(&mut queue, info, enqueued_at)
+            // The clock is read only for a request that waits.
+            let enqueued_at = Instant::now();
+            let (seq, reply) = self.enqueue_locked(&mut queue, info, enqueued_at);
+            (seq, reply, enqueued_at)
         };
         let mut waiting = Waiting {
             balancer: self,
@@ -630,7 +632,12 @@ impl Lease {
     /// Notes the first response body byte (once).
     pub fn mark_first_byte(&mut self) {
         if self.first_byte.is_none() {
-            let elapsed = self.dispatched_at.elapsed();
+            self.first_byte_after(self.dispatched_at.elapsed());
+        }
+    }
+
+    fn first_byte_after(&mut self, elapsed: Duration) {
+        if self.first_byte.is_none() {
             self.first_byte = Some(elapsed);
             self.balancer
                 .metrics
@@ -643,10 +650,16 @@ impl Lease {
     ///
     /// A failed attempt keeps the backend occupied until `latency_threshold` has passed since
     /// dispatch, as if it had taken that long: a replica that fails fast must not look free.
-    pub fn finish(mut self, finish: Finish) {
-        let latency = self.dispatched_at.elapsed();
+    pub fn finish(self, finish: Finish) {
+        self.finish_at(finish, Instant::now());
+    }
+
+    /// [`Lease::finish`] with the time it ended read already (`now`). A body that ends with its
+    /// first bytes had them at `now` too.
+    pub fn finish_at(mut self, finish: Finish, now: Instant) {
+        let latency = now.saturating_duration_since(self.dispatched_at);
         if finish.error.is_none() {
-            self.mark_first_byte();
+            self.first_byte_after(latency);
         }
         let failed = self.balancer.record_outcome(
             &self.backend,

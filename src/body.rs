@@ -18,6 +18,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
@@ -216,12 +217,13 @@ fn finish(lease: &mut Option<Lease>, outcome: Finish) {
 /// The body was read to its end: puts the connection back on its backend's idle stack (before
 /// the lease lets a queued request go, so that request finds it), then finishes the lease.
 fn finish_at_end(lease: &mut Option<Lease>, body: &mut BackendBody, outcome: Finish) {
-    if let Some(lease) = lease.as_ref() {
-        if let Some(connection) = body.take_connection() {
-            lease.backend().connections().put(connection);
-        }
+    let Some(lease) = lease.take() else { return };
+    // One reading of the clock serves the idle connection and the lease.
+    let now = Instant::now();
+    if let Some(connection) = body.take_connection() {
+        lease.backend().connections().put(connection, now);
     }
-    finish(lease, outcome);
+    lease.finish_at(outcome, now);
 }
 
 impl ObservedBody {
@@ -268,11 +270,15 @@ impl Body for ObservedBody {
         let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
         match &frame {
             Some(Ok(frame)) => {
+                let end = this.inner.is_end_stream();
                 if let (Some(lease), Some(data)) = (this.lease.as_mut(), frame.data_ref()) {
-                    lease.mark_first_byte();
+                    // A body that ends here has its first byte noted by the lease's end.
+                    if !end {
+                        lease.mark_first_byte();
+                    }
                     this.outcome.bytes += data.len() as u64;
                 }
-                if this.inner.is_end_stream() {
+                if end {
                     finish_at_end(&mut this.lease, &mut this.inner, this.outcome);
                 }
             }

@@ -63,9 +63,8 @@ impl IdleConnections {
         self.lock().len()
     }
 
-    /// Puts back a connection whose last exchange ended cleanly.
-    pub fn put(&self, connection: Connection) {
-        let since = Instant::now();
+    /// Puts back a connection whose last exchange ended cleanly (at `since`).
+    pub fn put(&self, connection: Connection, since: Instant) {
         let mut stack = self.lock();
         if stack.len() >= MAX_IDLE_PER_BACKEND {
             stack.pop_front();

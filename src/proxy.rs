@@ -576,7 +576,8 @@ pub async fn proxy(
     let retriable = body.is_replayable() && policy.max_attempts > 1;
     let idempotent = is_idempotent(&head.method);
     balancer.retry_budget().deposit();
-    let arrived = tokio::time::Instant::now();
+    // Read the clock only for what needs it.
+    let arrived = policy.decision_headers.then(tokio::time::Instant::now);
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last_failure: Option<(ErrorKind, Arc<Backend>)> = None;
     let mut retry_reason: Option<RetryReason> = None;
@@ -605,7 +606,8 @@ pub async fn proxy(
         }
         balancer.metrics().dispatched.add(1, &[]);
         let backend = Arc::clone(lease.backend());
-        let queued = lease.dispatched_at().saturating_duration_since(arrived);
+        let queued =
+            arrived.map(|arrived| lease.dispatched_at().saturating_duration_since(arrived));
         let last = !retriable || number == policy.max_attempts;
         let Some(upstream_body) = body.for_attempt() else {
             return response::error(StatusCode::BAD_GATEWAY, "request body already sent");
@@ -622,7 +624,7 @@ pub async fn proxy(
         .await
         {
             Attempt::Answer(mut response) => {
-                if policy.decision_headers {
+                if let Some(queued) = queued {
                     add_decision_headers(&mut response, backend.addr(), queued);
                 }
                 return response;

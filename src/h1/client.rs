@@ -412,57 +412,60 @@ fn parse_head(
     let head = buffer.split_to(length).freeze();
     let spans = &spans[..count];
     let field = |start: u32, end: u32| &head[start as usize..end as usize];
-    // Framing and connection fields first.
+    let bodiless = head_request || code == 101 || code == 204 || code == 304;
+    // One pass reads the framing and connection fields and, with `lines`, writes the others
+    // there (undone below in the rare case that `Connection` names fields).
     let mut content_length: Option<u64> = None;
     let mut transfer_encoding: Option<bool> = None;
     let http10 = version == Version::HTTP_10;
     let mut keep_alive = !http10;
     let mut connection_names_fields = false;
+    let mut lines = lines;
+    if let Some(lines) = lines.as_deref_mut() {
+        lines.clear();
+    }
+    let mut seen = Passthrough::default();
     for &(name_start, name_end, value_start, value_end) in spans {
         let (raw_name, raw_value) = (field(name_start, name_end), field(value_start, value_end));
         match hop_by_hop(raw_name) {
             Some(Hop::Connection) => {
                 connection_names_fields |= apply_connection(raw_value, http10, &mut keep_alive);
+                continue;
             }
             // Chunked, or (any other last coding) read to the end of the connection.
-            Some(Hop::TransferEncoding) => transfer_encoding = Some(ends_chunked(raw_value)),
-            Some(Hop::Other) => {}
+            Some(Hop::TransferEncoding) => {
+                transfer_encoding = Some(ends_chunked(raw_value));
+                continue;
+            }
+            Some(Hop::Other) => continue,
             None if raw_name.eq_ignore_ascii_case(b"content-length") => {
                 let length = parse_content_length(raw_value)?;
                 if content_length.is_some_and(|seen| seen != length) {
                     return Err(invalid("conflicting content-length"));
                 }
                 content_length = Some(length);
+                if !bodiless {
+                    continue;
+                }
             }
             None => {}
         }
+        let Some(lines) = lines.as_deref_mut() else {
+            continue;
+        };
+        if raw_name.eq_ignore_ascii_case(b"date") {
+            seen.has_date = true;
+        } else if raw_name.eq_ignore_ascii_case(b"content-type") {
+            seen.content_type = Some(head.slice(value_start as usize..value_end as usize));
+        } else if raw_name.eq_ignore_ascii_case(b"retry-after") {
+            seen.retry_after = Some(head.slice(value_start as usize..value_end as usize));
+        }
+        append_field(lines, raw_name, raw_value);
     }
-    let bodiless = head_request || code == 101 || code == 204 || code == 304;
     let mut headers = HeaderMap::new();
     let mut passthrough = None;
     match lines {
-        Some(lines) if !connection_names_fields => {
-            lines.clear();
-            let mut seen = Passthrough::default();
-            for &(name_start, name_end, value_start, value_end) in spans {
-                let (raw_name, raw_value) =
-                    (field(name_start, name_end), field(value_start, value_end));
-                if hop_by_hop(raw_name).is_some()
-                    || (!bodiless && raw_name.eq_ignore_ascii_case(b"content-length"))
-                {
-                    continue;
-                }
-                if raw_name.eq_ignore_ascii_case(b"date") {
-                    seen.has_date = true;
-                } else if raw_name.eq_ignore_ascii_case(b"content-type") {
-                    seen.content_type = Some(head.slice(value_start as usize..value_end as usize));
-                } else if raw_name.eq_ignore_ascii_case(b"retry-after") {
-                    seen.retry_after = Some(head.slice(value_start as usize..value_end as usize));
-                }
-                append_field(lines, raw_name, raw_value);
-            }
-            passthrough = Some(seen);
-        }
+        Some(_) if !connection_names_fields => passthrough = Some(seen),
         _ => {
             // Hop-by-hop fields are left out of the map, unless `Connection` names other fields:
             // then it stays, for the proxy to remove it and the fields it names.

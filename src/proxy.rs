@@ -29,6 +29,7 @@ use rustls::pki_types::CertificateDer;
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{BackendBody, ClientBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody};
+use crate::h1::{FieldLines, Fields};
 use crate::metrics::RetryReason;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
@@ -296,14 +297,64 @@ pub struct ProxyPolicy {
 pub struct RequestHead {
     method: Method,
     path_and_query: PathAndQuery,
-    headers: HeaderMap,
-    /// Whether `headers` has a `Host` (otherwise each attempt gets the backend's).
+    fields: HeadFields,
+    /// Whether the fields have a `Host` (otherwise each attempt gets the backend's).
     has_host: bool,
 }
 
+/// The fields of a [`RequestHead`].
+#[derive(Debug)]
+enum HeadFields {
+    /// In a map, the forwarding fields set.
+    Map(HeaderMap),
+    /// An HTTP/1 client's lines as it sent them, and the `X-Forwarded-For` value to add.
+    Lines {
+        lines: FieldLines,
+        forwarded_for: HeaderValue,
+    },
+}
+
 impl RequestHead {
-    /// Prepares the head of a client request received from `client`.
-    pub fn prepare(mut parts: http::request::Parts, client: &ForwardedFor) -> Self {
+    /// Prepares the head of a client request received from `client`, its fields kept as the
+    /// lines it sent when there are `fields` (the map is then empty).
+    pub fn prepare(
+        parts: http::request::Parts,
+        fields: Option<FieldLines>,
+        client: &ForwardedFor,
+    ) -> Self {
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        match fields {
+            Some(lines) => {
+                let forwarded_for = match lines.forwarded_for() {
+                    None => client.0.clone(),
+                    Some(existing) => {
+                        let joined = [existing, b", ", client.0.as_bytes()].concat();
+                        HeaderValue::from_bytes(&joined).unwrap_or_else(|_| client.0.clone())
+                    }
+                };
+                Self {
+                    method: parts.method,
+                    path_and_query,
+                    has_host: lines.has_host(),
+                    fields: HeadFields::Lines {
+                        lines,
+                        forwarded_for,
+                    },
+                }
+            }
+            None => Self::prepare_map(parts, path_and_query, client),
+        }
+    }
+
+    fn prepare_map(
+        mut parts: http::request::Parts,
+        path_and_query: PathAndQuery,
+        client: &ForwardedFor,
+    ) -> Self {
         remove_hop_by_hop(&mut parts.headers);
         let mut has_host = parts.headers.contains_key(header::HOST);
         if !has_host {
@@ -318,15 +369,10 @@ impl RequestHead {
         parts
             .headers
             .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
         Self {
             method: parts.method,
             path_and_query,
-            headers: parts.headers,
+            fields: HeadFields::Map(parts.headers),
             has_host,
         }
     }
@@ -336,7 +382,7 @@ impl RequestHead {
         Some(Self {
             method: Method::GET,
             path_and_query: PathAndQuery::try_from(path).ok()?,
-            headers: HeaderMap::new(),
+            fields: HeadFields::Map(HeaderMap::new()),
             has_host: false,
         })
     }
@@ -351,7 +397,17 @@ impl RequestHead {
             } else {
                 self.path_and_query.as_str()
             },
-            headers: &self.headers,
+            fields: match &self.fields {
+                HeadFields::Map(headers) => h1::client::HeadFields::Map(headers),
+                HeadFields::Lines {
+                    lines,
+                    forwarded_for,
+                } => h1::client::HeadFields::Lines {
+                    lines: lines.lines(),
+                    forwarded_for: forwarded_for.as_bytes(),
+                    has_content_length: lines.has_content_length(),
+                },
+            },
             host: (!self.has_host).then(|| host_text(addr)),
         }
     }
@@ -369,10 +425,18 @@ impl RequestHead {
         *request.method_mut() = self.method.clone();
         *request.uri_mut() = absolute_uri(addr, self.path_and_query.clone());
         *request.version_mut() = Version::HTTP_11;
-        *request.headers_mut() = if last {
-            std::mem::take(&mut self.headers)
-        } else {
-            self.headers.clone()
+        *request.headers_mut() = match &mut self.fields {
+            HeadFields::Map(headers) if last => std::mem::take(headers),
+            HeadFields::Map(headers) => headers.clone(),
+            HeadFields::Lines {
+                lines,
+                forwarded_for,
+            } => {
+                let mut headers = lines.to_map();
+                headers.insert(X_FORWARDED_FOR, forwarded_for.clone());
+                headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+                headers
+            }
         };
         request
     }
@@ -542,6 +606,7 @@ pub async fn proxy(
     balancer: &Arc<Balancer>,
     policy: &ProxyPolicy,
     request: Request<ClientBody>,
+    fields: Option<FieldLines>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
     let (parts, body) = request.into_parts();
@@ -559,19 +624,24 @@ pub async fn proxy(
         key: balancer.strategy().request_key(&RequestView {
             method: &parts.method,
             uri: &parts.uri,
-            headers: &parts.headers,
+            fields: match &fields {
+                Some(lines) => Fields::Lines(lines),
+                None => Fields::Map(&parts.headers),
+            },
             body_prefix: body.prefix(),
         }),
     };
     let mut body = body;
-    let announced_length = parts.headers.contains_key(header::CONTENT_LENGTH);
-    let mut head = RequestHead::prepare(parts, client);
-    if !body.is_replayable() && !announced_length {
-        // A streamed body of unknown length goes out chunked, whatever the method.
-        head.headers.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
+    let mut head = RequestHead::prepare(parts, fields, client);
+    if let HeadFields::Map(headers) = &mut head.fields {
+        if !body.is_replayable() && !headers.contains_key(header::CONTENT_LENGTH) {
+            // A streamed body of unknown length goes out chunked, whatever the method (the
+            // HTTP/1 client adds this itself when it writes lines).
+            headers.insert(
+                header::TRANSFER_ENCODING,
+                HeaderValue::from_static("chunked"),
+            );
+        }
     }
     let retriable = body.is_replayable() && policy.max_attempts > 1;
     let idempotent = is_idempotent(&head.method);

@@ -21,7 +21,7 @@ use crate::balancer::Balancer;
 use crate::body::{ClientBody, ResponseBody};
 use crate::config::Settings;
 use crate::framing::Inspected;
-use crate::h1;
+use crate::h1::{self, FieldLines};
 use crate::metrics::MetricsError;
 use crate::pool;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
@@ -277,7 +277,8 @@ impl Acceptor {
                     if conflict.seen() {
                         return Ok::<_, Infallible>(conflicting_framing());
                     }
-                    let mut answer = route(&shared, request.map(ClientBody::Hyper), &client).await;
+                    let mut answer =
+                        route(&shared, request.map(ClientBody::Hyper), None, &client).await;
                     fields_into_map(&mut answer);
                     Ok(answer)
                 }
@@ -337,12 +338,18 @@ fn conflicting_framing() -> Response<ResponseBody> {
 ///
 /// Not an `async fn`: the proxy's future is returned as it is, so that it is not moved into one
 /// more future on each request (the admin API's, seldom called, is boxed to keep it small).
+///
+/// An HTTP/1 request may come with its fields as lines (its map then empty).
 fn route<'a>(
     shared: &'a Shared,
-    request: Request<ClientBody>,
+    mut request: Request<ClientBody>,
+    fields: Option<FieldLines>,
     client: &'a ForwardedFor,
 ) -> impl Future<Output = Response<ResponseBody>> + 'a {
     if admin::is_admin_path(request.uri().path()) {
+        if let Some(fields) = fields {
+            *request.headers_mut() = fields.to_map();
+        }
         Either::Left(Box::pin(admin::handle(
             &shared.balancer,
             &shared.admin,
@@ -353,6 +360,7 @@ fn route<'a>(
             &shared.balancer,
             &shared.policy,
             request,
+            fields,
             client,
         ))
     }
@@ -365,8 +373,12 @@ struct Routes {
 }
 
 impl h1::server::Handler for Routes {
-    fn call(&self, request: Request<ClientBody>) -> impl Future<Output = Response<ResponseBody>> {
-        route(&self.shared, request, &self.client)
+    fn call(
+        &self,
+        request: Request<ClientBody>,
+        fields: Option<FieldLines>,
+    ) -> impl Future<Output = Response<ResponseBody>> {
+        route(&self.shared, request, fields, &self.client)
     }
 }
 

@@ -66,13 +66,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use arc_swap::ArcSwap;
 use figment::value::Value;
-use http::header::{COOKIE, HeaderMap, HeaderName};
+use http::header::{COOKIE, HeaderName};
 use serde::Deserialize;
 
 use super::{
     ParamsError, RequestInfo, RequestView, Strategy, StrategyContext, StrategyEntry, parse_params,
 };
 use crate::backend::Backend;
+use crate::h1::Fields;
 
 /// Registry entry.
 pub const ENTRY: StrategyEntry = StrategyEntry {
@@ -190,26 +191,27 @@ impl KeySources {
 
     /// The hashed key of `request`: its header, else its cookie, else its body prefix.
     fn key(&self, request: &RequestView<'_>) -> Option<u64> {
-        self.header_value(request.headers)
-            .or_else(|| self.cookie_value(request.headers))
+        self.header_value(request.fields)
+            .or_else(|| self.cookie_value(request.fields))
             .or_else(|| self.body_prefix(request.body_prefix))
             .map(hash_bytes)
     }
 
-    fn header_value<'a>(&self, headers: &'a HeaderMap) -> Option<&'a [u8]> {
-        let value = headers.get(self.header.as_ref()?)?.as_bytes();
+    fn header_value<'a>(&self, fields: Fields<'a>) -> Option<&'a [u8]> {
+        let value = fields.get(self.header.as_ref()?.as_str())?;
         (!value.is_empty()).then_some(value)
     }
 
-    fn cookie_value<'a>(&self, headers: &'a HeaderMap) -> Option<&'a [u8]> {
+    fn cookie_value<'a>(&self, fields: Fields<'a>) -> Option<&'a [u8]> {
         let name = self.cookie.as_deref()?;
-        headers
-            .get_all(COOKIE)
-            .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|line| line.split(';'))
-            .filter_map(|pair| pair.trim().split_once('='))
-            .find(|(cookie, _)| *cookie == name)
+        fields
+            .find_map(COOKIE.as_str(), |line| {
+                std::str::from_utf8(line)
+                    .ok()?
+                    .split(';')
+                    .filter_map(|pair| pair.trim().split_once('='))
+                    .find(|(cookie, _)| *cookie == name)
+            })
             .map(|(_, value)| value.trim_matches('"').as_bytes())
             .filter(|value| !value.is_empty())
     }
@@ -397,7 +399,7 @@ impl Strategy for Affinity {
 mod tests {
     use super::*;
     use figment::value::Dict;
-    use http::{HeaderValue, Method, Uri};
+    use http::{HeaderMap, HeaderValue, Method, Uri};
 
     fn backends(range: std::ops::Range<usize>) -> Vec<Arc<Backend>> {
         range
@@ -427,13 +429,24 @@ mod tests {
         set[strategy.pick(&keyed(key), set).unwrap()].id()
     }
 
+    /// The key of a request with `headers` and `body`; the same whether its fields are read
+    /// from a map or from an HTTP/1 client's lines.
     fn key_of(keys: &KeySources, headers: &HeaderMap, body: &[u8]) -> Option<u64> {
-        keys.key(&RequestView {
-            method: &Method::POST,
-            uri: &Uri::from_static("/v1/chat/completions"),
-            headers,
-            body_prefix: body,
-        })
+        let mut lines = Vec::new();
+        for (name, value) in headers {
+            crate::h1::append_field(&mut lines, name.as_str().as_bytes(), value.as_bytes());
+        }
+        let lines = crate::h1::FieldLines::new(lines.into(), None, None, true, false);
+        let [from_map, from_lines] = [Fields::Map(headers), Fields::Lines(&lines)].map(|fields| {
+            keys.key(&RequestView {
+                method: &Method::POST,
+                uri: &Uri::from_static("/v1/chat/completions"),
+                fields,
+                body_prefix: body,
+            })
+        });
+        assert_eq!(from_map, from_lines);
+        from_map
     }
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {

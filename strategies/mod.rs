@@ -64,8 +64,8 @@ pub struct RequestView<'a> {
     pub method: &'a Method,
     /// The request target.
     pub uri: &'a http::Uri,
-    /// The request headers.
-    pub headers: &'a http::HeaderMap,
+    /// The request's header fields.
+    pub fields: crate::h1::Fields<'a>,
     /// The start of the body.
     pub body_prefix: &'a [u8],
 }

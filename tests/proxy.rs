@@ -135,6 +135,54 @@ async fn hop_by_hop_headers_are_dropped_and_end_to_end_kept() {
 }
 
 #[tokio::test]
+async fn forwarding_fields_are_set_whether_a_request_is_forwarded_as_lines_or_from_a_map() {
+    let backend = echo_backend().await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    // No field named by `Connection` and at most one `X-Forwarded-For`: the client's lines are
+    // forwarded as they are; two `X-Forwarded-For` fields are joined through the map.
+    let cases: [(&[&str], &str); 3] = [
+        (&[], "127.0.0.1"),
+        (&["203.0.113.9"], "203.0.113.9, 127.0.0.1"),
+        (
+            &["203.0.113.9", "198.51.100.7"],
+            "203.0.113.9, 198.51.100.7, 127.0.0.1",
+        ),
+    ];
+    for (sent, forwarded) in cases {
+        let mut request = Request::post(router.url("/chat?x=1"))
+            .header("Connection", "keep-alive")
+            .header("Keep-Alive", "timeout=10")
+            .header("TE", "trailers")
+            .header("Upgrade", "websocket")
+            .header("X-Forwarded-Proto", "https")
+            .header("X-Request-Id", "abc")
+            .header("Content-Type", "application/json");
+        for value in sent {
+            request = request.header("X-Forwarded-For", *value);
+        }
+        let (status, _, body) = send(request.body(full("{}")).unwrap()).await;
+        assert_eq!(status, StatusCode::OK);
+        let echo: Value = serde_json::from_slice(&body).unwrap();
+        let headers = echo["headers"].as_object().unwrap();
+        for dropped in ["connection", "keep-alive", "te", "upgrade"] {
+            assert!(
+                !headers.contains_key(dropped),
+                "{dropped} was forwarded: {headers:?}"
+            );
+        }
+        assert_eq!(headers["x-forwarded-for"], forwarded, "{sent:?}");
+        assert_eq!(headers["x-forwarded-proto"], "http");
+        assert_eq!(headers["x-request-id"], "abc");
+        assert_eq!(headers["content-type"], "application/json");
+        assert_eq!(headers["content-length"], "2");
+        assert_eq!(headers["host"], router.addr.to_string());
+        assert_eq!(echo["uri"], "/chat?x=1");
+        assert_eq!(echo["body"], "{}");
+    }
+}
+
+#[tokio::test]
 async fn sse_events_reach_the_client_one_by_one() {
     // The backend writes the next event only after the client has received the previous one,
     // so the test can only finish if the router forwards each event as soon as it is written.

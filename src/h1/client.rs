@@ -192,9 +192,25 @@ pub struct RequestHead<'a> {
     /// The request target: a path and query (origin form), or `host:port` for `CONNECT`.
     pub target: &'a str,
     /// The header fields, hop-by-hop ones already removed.
-    pub headers: &'a HeaderMap,
-    /// A `Host` to add (the headers have none).
+    pub fields: HeadFields<'a>,
+    /// A `Host` to add (the fields have none).
     pub host: Option<&'a str>,
+}
+
+/// The fields of a [`RequestHead`].
+#[derive(Debug, Clone, Copy)]
+pub enum HeadFields<'a> {
+    /// A map, the forwarding fields in it.
+    Map(&'a HeaderMap),
+    /// A client's lines ([`super::FieldLines`]), written as they are, then the forwarding fields.
+    Lines {
+        /// `name: value\r\n` each.
+        lines: &'a [u8],
+        /// The `X-Forwarded-For` value.
+        forwarded_for: &'a [u8],
+        /// Whether the lines hold a `Content-Length`.
+        has_content_length: bool,
+    },
 }
 
 /// Writes the request head into `out`; returns whether the body goes out chunked.
@@ -209,13 +225,27 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
     }
     let mut chunked = false;
     let mut sized = false;
-    for (name, value) in head.headers {
-        if name == header::TRANSFER_ENCODING {
-            chunked = true;
-        } else if name == header::CONTENT_LENGTH {
-            sized = true;
+    match head.fields {
+        HeadFields::Map(headers) => {
+            for (name, value) in headers {
+                if name == header::TRANSFER_ENCODING {
+                    chunked = true;
+                } else if name == header::CONTENT_LENGTH {
+                    sized = true;
+                }
+                append_field(out, name.as_str().as_bytes(), value.as_bytes());
+            }
         }
-        append_field(out, name.as_str().as_bytes(), value.as_bytes());
+        HeadFields::Lines {
+            lines,
+            forwarded_for,
+            has_content_length,
+        } => {
+            out.extend_from_slice(lines);
+            append_field(out, b"x-forwarded-for", forwarded_for);
+            out.extend_from_slice(b"x-forwarded-proto: http\r\n");
+            sized = has_content_length;
+        }
     }
     if !chunked && !sized {
         match body {

@@ -15,9 +15,11 @@ use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 pub mod client;
+pub mod fields;
 pub mod server;
 
 pub use client::{Connection, RequestHead, ResponseStream, SendError};
+pub use fields::{FieldLines, Fields};
 
 /// Largest response head (or trailer block) accepted from a backend, in bytes.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;

@@ -43,9 +43,10 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 
+use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
-    Chunked, Framing, MAX_HEADERS, READ_BUFFER, Span, append_chunk, append_field,
-    append_last_chunk, apply_connection, digits, ends_chunked, field_spans, make_room,
+    Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, append_chunk, append_field,
+    append_last_chunk, apply_connection, digits, ends_chunked, field_spans, hop_by_hop, make_room,
     parse_content_length, poll_body,
 };
 use crate::body::{ClientBody, ResponseBody, Whole};
@@ -89,7 +90,10 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Option<Inbound>> {
 
 /// A parsed request head, and what it says about the body and the connection.
 struct Head {
+    /// The request; its map is empty when its fields are kept as lines.
     request: Request<()>,
+    /// The request's fields as lines, when they serve.
+    fields: Option<FieldLines>,
     body: BodyLength,
     keep_alive: bool,
     expects_continue: bool,
@@ -114,8 +118,12 @@ enum Refusal {
 /// The answer's future may borrow the handler, which lives as long as the connection: it is
 /// built right in the connection's state, with no future of its own around it.
 pub trait Handler {
-    /// The answer to `request`.
-    fn call(&self, request: Request<ClientBody>) -> impl Future<Output = Response<ResponseBody>>;
+    /// The answer to `request`; its map is empty when its `fields` are kept as lines.
+    fn call(
+        &self,
+        request: Request<ClientBody>,
+        fields: Option<FieldLines>,
+    ) -> impl Future<Output = Response<ResponseBody>>;
 }
 
 /// Serves one client connection with `handler` until it ends (see the module documentation).
@@ -145,6 +153,7 @@ pub async fn serve<H: Handler>(
         };
         let Head {
             request,
+            fields,
             body,
             mut keep_alive,
             expects_continue,
@@ -184,7 +193,7 @@ pub async fn serve<H: Handler>(
                 (ClientBody::Streaming(stream), None)
             }
         };
-        let answer = pin!(handler.call(request.map(|()| body)));
+        let answer = pin!(handler.call(request.map(|()| body), fields));
         let answer = match held {
             Some(mut input) => {
                 let Some(answer) = answer_unless_gone(answer, &mut input).await else {
@@ -400,38 +409,71 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
     let head = buffer.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
         .map_err(|_| bad("invalid request target"))?;
-    // Room for the two forwarding fields the proxy adds, so the map does not grow for them.
-    let mut headers = HeaderMap::with_capacity(count + 2);
+    let spans = &spans[..count];
+    let field = |start: u32, end: u32| &head[start as usize..end as usize];
+    // One pass reads the framing and connection fields and writes the others as lines (httparse
+    // checked names and values already).
     let mut content_length: Option<u64> = None;
     let mut chunked: Option<bool> = None;
     let mut keep_alive = version == Version::HTTP_11;
     let mut expects_continue = false;
-    for &(name_start, name_end, value_start, value_end) in &spans[..count] {
-        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
-            .map_err(|_| bad("invalid header name"))?;
-        let value =
-            HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
-                .map_err(|_| bad("invalid header value"))?;
-        if name == header::CONTENT_LENGTH {
-            let length = parse_content_length(value.as_bytes())
-                .map_err(|_| bad("invalid Content-Length"))?;
+    let mut connection_names_fields = false;
+    let mut has_host = false;
+    let mut forwarded_for: (usize, Option<Bytes>) = (0, None);
+    let mut forwarded_proto: Option<Bytes> = None;
+    let mut lines = Vec::with_capacity(length);
+    for &(name_start, name_end, value_start, value_end) in spans {
+        let (name, value) = (field(name_start, name_end), field(value_start, value_end));
+        match hop_by_hop(name) {
+            Some(Hop::Connection) => {
+                connection_names_fields |=
+                    apply_connection(value, version == Version::HTTP_10, &mut keep_alive);
+                continue;
+            }
+            Some(Hop::TransferEncoding) => {
+                chunked = Some(ends_chunked(value));
+                continue;
+            }
+            Some(Hop::Other) => continue,
+            None => {}
+        }
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let length = parse_content_length(value).map_err(|_| bad("invalid Content-Length"))?;
             if content_length.is_some_and(|seen| seen != length) {
                 return Err(bad("conflicting Content-Length"));
             }
             content_length = Some(length);
-        } else if name == header::TRANSFER_ENCODING {
-            chunked = Some(ends_chunked(value.as_bytes()));
-        } else if name == header::CONNECTION {
-            apply_connection(
-                value.as_bytes(),
-                version == Version::HTTP_10,
-                &mut keep_alive,
-            );
-        } else if name == header::EXPECT {
-            expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        } else if name.eq_ignore_ascii_case(b"host") {
+            has_host = true;
+        } else if name.eq_ignore_ascii_case(b"expect") {
+            expects_continue = value.eq_ignore_ascii_case(b"100-continue");
+        } else if name.eq_ignore_ascii_case(FORWARDED_FOR.as_bytes()) {
+            forwarded_for.0 += 1;
+            forwarded_for.1 = Some(head.slice(value_start as usize..value_end as usize));
+            continue;
+        } else if name.eq_ignore_ascii_case(FORWARDED_PROTO.as_bytes()) {
+            forwarded_proto
+                .get_or_insert_with(|| head.slice(value_start as usize..value_end as usize));
+            continue;
         }
-        headers.append(name, value);
+        append_field(&mut lines, name, value);
     }
+    // Lines serve unless `Connection` names fields (they must go too), `X-Forwarded-For` came
+    // more than once (its values are joined), or an absolute-form target stands for `Host`.
+    let as_lines =
+        !connection_names_fields && forwarded_for.0 <= 1 && (has_host || uri.authority().is_none());
+    let (headers, fields) = if as_lines {
+        let fields = FieldLines::new(
+            Bytes::from(lines),
+            forwarded_for.1,
+            forwarded_proto,
+            has_host,
+            content_length.is_some(),
+        );
+        (HeaderMap::new(), Some(fields))
+    } else {
+        (field_map(&head, spans).map_err(bad)?, None)
+    };
     let body = match (chunked, content_length) {
         (Some(_), Some(_)) => {
             return Err(bad("request has both Transfer-Encoding and Content-Length"));
@@ -451,10 +493,26 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
     *request.headers_mut() = headers;
     Ok(Some(Head {
         request,
+        fields,
         body,
         keep_alive,
         expects_continue,
     }))
+}
+
+/// Every field of the request head `head` (where `spans` lie) in a map.
+fn field_map(head: &Bytes, spans: &[Span]) -> Result<HeaderMap, &'static str> {
+    // Room for the two forwarding fields the proxy adds, so the map does not grow for them.
+    let mut headers = HeaderMap::with_capacity(spans.len() + 2);
+    for &(name_start, name_end, value_start, value_end) in spans {
+        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
+            .map_err(|_| "invalid header name")?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
+                .map_err(|_| "invalid header value")?;
+        headers.append(name, value);
+    }
+    Ok(headers)
 }
 
 /// How a response body is delimited on the wire.

@@ -130,7 +130,7 @@ pub trait Handler {
 pub async fn serve<H: Handler>(
     stream: TcpStream,
     limits: Limits,
-    mut draining: watch::Receiver<bool>,
+    draining: watch::Receiver<bool>,
     handler: H,
 ) {
     let (half, mut writer) = stream.into_split();
@@ -141,6 +141,7 @@ pub async fn serve<H: Handler>(
     let mut slot: Option<Slot> = None;
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let mut header_timer = HeaderTimer::new(limits.header_read_timeout);
+    let mut draining = DrainWatch::new(draining);
     while let Some(mut input) = inbound.take() {
         let head = match read_head(&mut input, limits, &mut header_timer, &mut draining).await {
             Ok(head) => head,
@@ -205,7 +206,7 @@ pub async fn serve<H: Handler>(
             }
             None => answer.await,
         };
-        if *draining.borrow() {
+        if draining.started() {
             keep_alive = false;
         }
         let kept = write_response(
@@ -253,7 +254,10 @@ where
 /// Waits until the client sends something (`false`) or closes the connection (`true`).
 async fn client_gone(input: &mut Inbound) -> bool {
     loop {
-        if input.half.readable().await.is_err() {
+        // The socket's own read waker (the one reads use), not a wait of its own to add and take
+        // out of its list each time.
+        let readable = std::future::poll_fn(|cx| input.half.as_ref().poll_read_ready(cx));
+        if readable.await.is_err() {
             return true;
         }
         make_room(&mut input.buffer);
@@ -310,12 +314,41 @@ impl HeaderTimer {
     }
 }
 
+/// Whether the router started draining, watched by one wait that lasts as long as the
+/// connection: waiting for each request's head does not register (and withdraw) a wait of its
+/// own.
+struct DrainWatch {
+    receiver: watch::Receiver<bool>,
+    changed: Pin<Box<dyn Future<Output = ()> + Send>>,
+}
+
+impl DrainWatch {
+    fn new(receiver: watch::Receiver<bool>) -> Self {
+        let mut watching = receiver.clone();
+        Self {
+            receiver,
+            changed: Box::pin(async move {
+                let _ = watching.changed().await;
+            }),
+        }
+    }
+
+    fn started(&self) -> bool {
+        *self.receiver.borrow()
+    }
+
+    /// Ready once draining starts (or the router is gone); not to be polled after that.
+    fn changed(&mut self) -> Pin<&mut (dyn Future<Output = ()> + Send)> {
+        self.changed.as_mut()
+    }
+}
+
 /// Reads the next request head: what is already buffered first, then from the connection.
 async fn read_head(
     input: &mut Inbound,
     limits: Limits,
     timer: &mut HeaderTimer,
-    draining: &mut watch::Receiver<bool>,
+    draining: &mut DrainWatch,
 ) -> Result<Head, Refusal> {
     let mut started = false;
     loop {
@@ -325,7 +358,7 @@ async fn read_head(
             }
         }
         let idle = input.buffer.iter().all(|&b| b == b'\r' || b == b'\n');
-        if idle && *draining.borrow() {
+        if idle && draining.started() {
             return Err(Refusal::Quiet);
         }
         if !started {
@@ -339,7 +372,7 @@ async fn read_head(
                 Ok(_) => {}
             },
             () = timer.sleep.as_mut() => return Err(Refusal::Quiet),
-            _ = draining.changed(), if idle => return Err(Refusal::Quiet),
+            () = draining.changed(), if idle => return Err(Refusal::Quiet),
         }
     }
 }
@@ -858,5 +891,84 @@ mod tests {
         }
         let long = format!("GET / HTTP/1.1\r\nx-long: {}\r\n\r\n", "a".repeat(9000));
         assert!(parse(&long).is_err_and(|error| error.starts_with("431")));
+    }
+
+    #[test]
+    fn fields_are_kept_as_lines_unless_they_need_the_map() {
+        let parse = |text: &str| {
+            let Ok(Some(head)) = parse_head(&mut BytesMut::from(text.as_bytes()), 8192) else {
+                panic!("not a head: {text:?}");
+            };
+            head
+        };
+        let head = parse(
+            "POST /v1 HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nKeep-Alive: 5\r\n\
+             X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-Proto: https\r\nTE: trailers\r\n\
+             Content-Length: 2\r\nX-Id:  7 \r\n\r\n",
+        );
+        assert!(head.request.headers().is_empty());
+        let fields = head.fields.expect("lines");
+        assert_eq!(
+            fields.lines(),
+            b"Host: a\r\nContent-Length: 2\r\nX-Id: 7\r\n"
+        );
+        assert_eq!(fields.forwarded_for(), Some(&b"10.0.0.1"[..]));
+        assert!(fields.has_host() && fields.has_content_length());
+        assert_eq!(
+            crate::h1::Fields::Lines(&fields).get("x-forwarded-proto"),
+            Some(&b"https"[..])
+        );
+        // A `Connection` that names a field, `X-Forwarded-For` twice, an absolute-form target
+        // without `Host`: every field goes into the map.
+        for text in [
+            "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-private\r\nX-Private: 1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\n\r\n",
+            "GET http://b:81/ HTTP/1.1\r\nX-Id: 1\r\n\r\n",
+        ] {
+            let head = parse(text);
+            assert!(head.fields.is_none(), "{text:?}");
+            let fields = text.matches("\r\n").count() - 2;
+            assert_eq!(head.request.headers().len(), fields, "{text:?}");
+        }
+    }
+
+    struct Answer;
+
+    impl Handler for Answer {
+        fn call(
+            &self,
+            _request: Request<ClientBody>,
+            _fields: Option<FieldLines>,
+        ) -> impl Future<Output = Response<ResponseBody>> {
+            std::future::ready(response::error(StatusCode::OK, "answered"))
+        }
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_closes_when_draining_starts() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (drain, draining) = watch::channel(false);
+        let limits = Limits {
+            header_read_timeout: Duration::from_secs(600),
+            max_header_bytes: 8192,
+        };
+        let addr = listener.local_addr().unwrap();
+        let served = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            serve(stream, limits, draining, Answer).await;
+        });
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        client
+            .write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = vec![0; 4096];
+        let read = client.read(&mut answer).await.unwrap();
+        assert!(answer[..read].starts_with(b"HTTP/1.1 200"));
+        // The connection now waits for the next request, kept alive.
+        drain.send(true).unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(10), client.read(&mut answer));
+        assert_eq!(closed.await.expect("still open").unwrap(), 0);
+        served.await.unwrap();
     }
 }

@@ -7,7 +7,7 @@
 //!
 //! There is no dispatcher task and no polling: whoever changes something that may let the head of
 //! the queue go — a finished request, a new backend set, an arriving request — runs
-//! [`Balancer::dispatch_locked`] under the queue lock, which hands leases to waiters in arrival order
+//! `Balancer::dispatch_locked` under the queue lock, which hands leases to waiters in arrival order
 //! for as long as the strategy picks a backend. A waiter whose client went away removes itself
 //! from the queue when its future is dropped, so it is never sent upstream.
 //!

@@ -15,7 +15,7 @@
 //! `Content-Length`, or the end of the connection. Interim (1xx) responses are skipped. A
 //! connection is reused only when both messages were complete, the response did not ask to close,
 //! and no byte followed the response. Every buffer is bounded: a response head by
-//! [`MAX_HEAD_BYTES`](super::MAX_HEAD_BYTES) and [`MAX_HEADERS`](super::MAX_HEADERS), a chunk-size
+//! [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`], a chunk-size
 //! line and a trailer block by [`MAX_LINE_BYTES`](super::MAX_LINE_BYTES) and `MAX_HEAD_BYTES`.
 
 use std::io;

@@ -5,6 +5,9 @@
 //! writes the handler's response, then does the same for the next request while the connection
 //! is kept alive. Nothing else runs per connection or per request: no dispatcher, no channel.
 //!
+//! - **Request fields** are kept as the lines the client sent ([`super::FieldLines`], hop-by-hop
+//!   and forwarding fields left out) and the request's map left empty, unless the lines cannot
+//!   carry the proxy's rules (see [`super::fields`]): then every field goes into the map.
 //! - **Request bodies.** A body of known length up to [`READ_WHOLE`] bytes is read with its head
 //!   and handed over whole; a larger or chunked one is a [`RequestStream`] that reads from the
 //!   connection as the handler polls it, and gives the connection back at its end. A request

@@ -140,8 +140,10 @@ where
         .build(connector)
 }
 
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static(h1::fields::FORWARDED_FOR);
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static(h1::fields::FORWARDED_PROTO);
+/// The `X-Forwarded-Proto` every proxied request carries (the listener speaks cleartext only).
+const FORWARDED_PROTO_VALUE: &str = "http";
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 
@@ -247,33 +249,32 @@ impl ForwardedFor {
         let text = peer.ip().to_canonical().to_string();
         Self(HeaderValue::from_str(&text).expect("an IP address is a valid header value"))
     }
+
+    /// The `X-Forwarded-For` value of a request that came with the values `sent`: those, joined
+    /// into one, then this client.
+    fn appended_to<'a>(&self, sent: impl IntoIterator<Item = &'a [u8]>) -> HeaderValue {
+        let mut joined = Vec::new();
+        for value in sent {
+            joined.extend_from_slice(value);
+            joined.extend_from_slice(b", ");
+        }
+        if joined.is_empty() {
+            return self.0.clone();
+        }
+        joined.extend_from_slice(self.0.as_bytes());
+        // Field values joined by ", " make a field value.
+        HeaderValue::from_bytes(&joined).unwrap_or_else(|_| self.0.clone())
+    }
 }
 
 fn append_forwarded_for(headers: &mut HeaderMap, client: &ForwardedFor) {
-    let ip = client.0.to_str().unwrap_or_default();
-    let value = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::to_str) {
-        None => {
-            headers.insert(X_FORWARDED_FOR, client.0.clone());
-            return;
-        }
-        Some(Ok(existing)) if headers.get_all(&X_FORWARDED_FOR).iter().count() == 1 => {
-            format!("{existing}, {ip}")
-        }
-        Some(_) => {
-            let mut joined = headers
-                .get_all(&X_FORWARDED_FOR)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .collect::<Vec<_>>()
-                .join(", ");
-            joined.push_str(", ");
-            joined.push_str(ip);
-            joined
-        }
-    };
-    if let Ok(value) = HeaderValue::from_str(&value) {
-        headers.insert(X_FORWARDED_FOR, value);
-    }
+    let value = client.appended_to(
+        headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .map(HeaderValue::as_bytes),
+    );
+    headers.insert(X_FORWARDED_FOR, value);
 }
 
 /// How requests are proxied: what retries may do, and what the response says of the decision.
@@ -329,13 +330,7 @@ impl RequestHead {
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         match fields {
             Some(lines) => {
-                let forwarded_for = match lines.forwarded_for() {
-                    None => client.0.clone(),
-                    Some(existing) => {
-                        let joined = [existing, b", ", client.0.as_bytes()].concat();
-                        HeaderValue::from_bytes(&joined).unwrap_or_else(|_| client.0.clone())
-                    }
-                };
+                let forwarded_for = client.appended_to(lines.forwarded_for());
                 Self {
                     method: parts.method,
                     path_and_query,
@@ -366,9 +361,10 @@ impl RequestHead {
             }
         }
         append_forwarded_for(&mut parts.headers, client);
-        parts
-            .headers
-            .insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        parts.headers.insert(
+            X_FORWARDED_PROTO,
+            HeaderValue::from_static(FORWARDED_PROTO_VALUE),
+        );
         Self {
             method: parts.method,
             path_and_query,
@@ -405,6 +401,7 @@ impl RequestHead {
                 } => h1::client::HeadFields::Lines {
                     lines: lines.lines(),
                     forwarded_for: forwarded_for.as_bytes(),
+                    forwarded_proto: FORWARDED_PROTO_VALUE.as_bytes(),
                     has_content_length: lines.has_content_length(),
                 },
             },
@@ -434,7 +431,10 @@ impl RequestHead {
             } => {
                 let mut headers = lines.to_map();
                 headers.insert(X_FORWARDED_FOR, forwarded_for.clone());
-                headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+                headers.insert(
+                    X_FORWARDED_PROTO,
+                    HeaderValue::from_static(FORWARDED_PROTO_VALUE),
+                );
                 headers
             }
         };
@@ -810,5 +810,26 @@ mod tests {
             headers[&X_FORWARDED_FOR],
             "192.0.2.7, 192.0.2.7, 198.51.100.1, 192.0.2.7"
         );
+        // The value an HTTP/1 client's lines get is made the same way, bytes kept as they came.
+        assert_eq!(peer.appended_to(None).as_bytes(), b"192.0.2.7");
+        let sent: [&[u8]; 2] = [b"a", b"b\xff"];
+        assert_eq!(peer.appended_to(sent).as_bytes(), b"a, b\xff, 192.0.2.7");
+    }
+
+    #[test]
+    fn the_http1_sides_leave_out_the_same_hop_by_hop_fields() {
+        for name in &HOP_BY_HOP {
+            assert!(h1::hop_by_hop(name.as_str().as_bytes()).is_some(), "{name}");
+        }
+        for name in [
+            "host",
+            "content-length",
+            "authorization",
+            "x-forwarded-for",
+            "t",
+            "tee",
+        ] {
+            assert!(h1::hop_by_hop(name.as_bytes()).is_none(), "{name}");
+        }
     }
 }

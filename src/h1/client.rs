@@ -31,6 +31,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
+use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
     Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, READ_BUFFER, Span, append_chunk,
     append_chunk_size, append_field, append_last_chunk, apply_connection, digits, ends_chunked,
@@ -208,6 +209,8 @@ pub enum HeadFields<'a> {
         lines: &'a [u8],
         /// The `X-Forwarded-For` value.
         forwarded_for: &'a [u8],
+        /// The `X-Forwarded-Proto` value.
+        forwarded_proto: &'a [u8],
         /// Whether the lines hold a `Content-Length`.
         has_content_length: bool,
     },
@@ -239,11 +242,12 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
         HeadFields::Lines {
             lines,
             forwarded_for,
+            forwarded_proto,
             has_content_length,
         } => {
             out.extend_from_slice(lines);
-            append_field(out, b"x-forwarded-for", forwarded_for);
-            out.extend_from_slice(b"x-forwarded-proto: http\r\n");
+            append_field(out, FORWARDED_FOR.as_bytes(), forwarded_for);
+            append_field(out, FORWARDED_PROTO.as_bytes(), forwarded_proto);
             sized = has_content_length;
         }
     }
@@ -408,7 +412,7 @@ async fn read_head(
 fn parse_head(
     buffer: &mut BytesMut,
     head_request: bool,
-    lines: Option<&mut Vec<u8>>,
+    mut lines: Option<&mut Vec<u8>>,
 ) -> io::Result<Option<Head>> {
     let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
     let mut spans: [Span; MAX_HEADERS] = [(0, 0, 0, 0); MAX_HEADERS];
@@ -450,7 +454,6 @@ fn parse_head(
     let http10 = version == Version::HTTP_10;
     let mut keep_alive = !http10;
     let mut connection_names_fields = false;
-    let mut lines = lines;
     if let Some(lines) = lines.as_deref_mut() {
         lines.clear();
     }

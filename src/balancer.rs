@@ -181,7 +181,11 @@ impl Balancer {
                 slow_start: Settings::optional(config.slow_start),
             },
             metrics,
-            client: proxy::client(settings.connect_timeout(), &settings.extra_ca_certs),
+            client: proxy::client(
+                settings.connect_timeout(),
+                Settings::optional(config.upstream_idle_timeout),
+                &settings.extra_ca_certs,
+            ),
             retry_budget: RetryBudget::new(
                 config.retry_budget_percent,
                 config.retry_budget_min_per_second,

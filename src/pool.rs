@@ -134,7 +134,8 @@ pub enum Failure {
 }
 
 /// Sends the request `head` with `body` to `backend` over a pooled connection, or a new one
-/// opened within `connect_timeout`. The response body holds the connection; it goes back to the
+/// opened within `connect_timeout`; a backend that takes none of the request for `stall` fails
+/// the exchange. The response body holds the connection; it goes back to the
 /// pool once the body has been read to its end ([`crate::body::ObservedBody`]).
 ///
 /// Fails with [`ErrorKind::Connect`] or [`ErrorKind::ConnectTimeout`] when no connection could
@@ -145,9 +146,10 @@ pub async fn send(
     head: RequestHead<'_>,
     mut body: UpstreamBody,
     connect_timeout: Duration,
+    stall: Option<Duration>,
 ) -> Result<Response<ResponseStream>, Failure> {
     if let Some(connection) = backend.connections().checkout() {
-        match connection.send(&head, body).await {
+        match connection.send(&head, body, stall).await {
             // The connection closed before the request could be written: try a new one.
             Err(SendError::Unsent(unsent)) => body = unsent,
             sent => return answered(backend, sent),
@@ -156,7 +158,7 @@ pub async fn send(
     let connection = connect(backend, connect_timeout)
         .await
         .map_err(Failure::Backend)?;
-    answered(backend, connection.send(&head, body).await)
+    answered(backend, connection.send(&head, body, stall).await)
 }
 
 fn answered(

@@ -45,6 +45,8 @@ use crate::{h1, pool};
 pub struct UpstreamClient {
     https: OnceLock<Client<HttpsConnector<HttpConnector>, UpstreamBody>>,
     connect_timeout: Duration,
+    /// How long a backend may take none of a request being written (`upstream_idle_timeout`).
+    stall_timeout: Option<Duration>,
     extra_ca_certs: Vec<CertificateDer<'static>>,
 }
 
@@ -76,8 +78,14 @@ impl UpstreamClient {
             future::Either::Right(self.send_tls(addr, head, body, last))
         } else {
             future::Either::Left(
-                pool::send(backend, head.h1(addr), body, self.connect_timeout)
-                    .map(|sent| sent.map(|response| response.map(BackendBody::Pooled))),
+                pool::send(
+                    backend,
+                    head.h1(addr),
+                    body,
+                    self.connect_timeout,
+                    self.stall_timeout,
+                )
+                .map(|sent| sent.map(|response| response.map(BackendBody::Pooled))),
             )
         }
     }
@@ -167,11 +175,13 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 /// `https://` backends trusting the system store plus `extra_ca_certs`.
 pub fn client(
     connect_timeout: Duration,
+    stall_timeout: Option<Duration>,
     extra_ca_certs: &[CertificateDer<'static>],
 ) -> UpstreamClient {
     UpstreamClient {
         https: OnceLock::new(),
         connect_timeout,
+        stall_timeout,
         extra_ca_certs: extra_ca_certs.to_vec(),
     }
 }

@@ -18,10 +18,12 @@
 //! [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`], a chunk-size
 //! line and a trailer block by [`MAX_LINE_BYTES`](super::MAX_LINE_BYTES) and `MAX_HEAD_BYTES`.
 
+use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -110,10 +112,13 @@ impl Connection {
 
     /// Sends the request `head` with `body` and reads the response head. The response body
     /// owns the connection until it was read to its end.
+    ///
+    /// Writes after the first must make progress within `stall`, when set.
     pub async fn send(
         mut self,
         head: &RequestHead<'_>,
         mut body: UpstreamBody,
+        stall: Option<Duration>,
     ) -> Result<Response<ResponseStream>, SendError> {
         let chunked = encode_head(&mut self.write, head, &body);
         let head_request = *head.method == Method::HEAD;
@@ -156,7 +161,7 @@ impl Connection {
                 rest_of_body,
                 first: written == 0,
             };
-            let sending = write_request(&mut writer, pending, &mut body, chunked);
+            let sending = write_request(&mut writer, pending, &mut body, chunked, stall);
             let receiving = read_head(&mut reader, read, fields, head_request);
             tokio::pin!(sending, receiving);
             tokio::select! {
@@ -166,6 +171,10 @@ impl Connection {
                     Err(WriteError::Unsent) => Outcome::Unsent,
                     // The client's side failed: no answer is waited for, the connection closes.
                     Err(WriteError::Body(error)) => Outcome::BodyFailed(error),
+                    Err(WriteError::Stalled) => Outcome::Answered(
+                        Err(io::Error::new(io::ErrorKind::TimedOut, "the backend stopped reading the request")),
+                        false,
+                    ),
                     // The backend may have answered before it stopped reading (413, say);
                     // without an answer, the write's error says what went wrong.
                     Err(WriteError::Io(error)) => match receiving.await {
@@ -213,6 +222,8 @@ enum WriteError {
     Io(io::Error),
     /// The request body (the client's side) failed.
     Body(crate::body::BoxError),
+    /// The backend took nothing of the request for the stall limit.
+    Stalled,
 }
 
 /// What a request head is made of, borrowed from the proxy's copy of the client's request (so
@@ -313,11 +324,15 @@ struct Pending<'a> {
 }
 
 /// Writes what is left of the head, then the body.
+///
+/// Every write after the first must make progress within `stall` (when set): a backend that
+/// stops reading the request must not hold the exchange, and the client's connection, forever.
 async fn write_request(
     writer: &mut WriteHalf<'_>,
     pending: Pending<'_>,
     body: &mut UpstreamBody,
     chunked: bool,
+    stall: Option<Duration>,
 ) -> Result<(), WriteError> {
     let mut head = pending.head;
     if pending.first {
@@ -326,9 +341,9 @@ async fn write_request(
             Ok(written) => head = &head[written..],
         }
     }
-    writer.write_all(head).await.map_err(WriteError::Io)?;
+    bounded(stall, writer.write_all(head)).await?;
     if let Some(bytes) = pending.rest_of_body {
-        return writer.write_all(&bytes).await.map_err(WriteError::Io);
+        return bounded(stall, writer.write_all(&bytes)).await;
     }
     if let UpstreamBody::Full(_) = body {
         return Ok(());
@@ -358,23 +373,38 @@ async fn write_request(
             framing.clear();
             if data.len() <= COALESCE_BODY {
                 append_chunk(&mut framing, &data);
-                writer.write_all(&framing).await.map_err(WriteError::Io)?;
+                bounded(stall, writer.write_all(&framing)).await?;
                 continue;
             }
             append_chunk_size(&mut framing, data.len());
-            writer.write_all(&framing).await.map_err(WriteError::Io)?;
-            writer.write_all(&data).await.map_err(WriteError::Io)?;
-            writer.write_all(b"\r\n").await.map_err(WriteError::Io)?;
+            bounded(stall, writer.write_all(&framing)).await?;
+            bounded(stall, writer.write_all(&data)).await?;
+            bounded(stall, writer.write_all(b"\r\n")).await?;
         } else {
-            writer.write_all(&data).await.map_err(WriteError::Io)?;
+            bounded(stall, writer.write_all(&data)).await?;
         }
     }
     if chunked {
         framing.clear();
         append_last_chunk(&mut framing, trailers.as_ref());
-        writer.write_all(&framing).await.map_err(WriteError::Io)?;
+        bounded(stall, writer.write_all(&framing)).await?;
     }
     Ok(())
+}
+
+/// `write` within `stall` (when set): a stall is [`WriteError::Stalled`], a failure
+/// [`WriteError::Io`].
+async fn bounded(
+    stall: Option<Duration>,
+    write: impl Future<Output = io::Result<()>>,
+) -> Result<(), WriteError> {
+    let written = match stall {
+        Some(limit) => tokio::time::timeout(limit, write)
+            .await
+            .map_err(|_| WriteError::Stalled)?,
+        None => write.await,
+    };
+    written.map_err(WriteError::Io)
 }
 
 /// A parsed response head.

@@ -205,8 +205,11 @@ pub(crate) fn hop_by_hop(name: &[u8]) -> Option<Hop> {
 /// A `Content-Length` value: digits only (leading zeros allowed). A list, even of equal values
 /// (`5, 5`), a sign or any other byte is refused, as nginx does: a proxy that read the list
 /// differently from the next hop would disagree about where the message ends.
+///
+/// More than 19 digits is refused too, leading zeros or not: some parsers read at most that
+/// many, and a length two hops read differently is a desync.
 pub(crate) fn parse_content_length(value: &[u8]) -> io::Result<u64> {
-    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+    if value.is_empty() || value.len() > 19 || !value.iter().all(u8::is_ascii_digit) {
         return Err(invalid("invalid content-length"));
     }
     value.iter().try_fold(0u64, |total, digit| {

@@ -1226,7 +1226,7 @@ async fn run_steps(
 }
 
 /// Three canaries on new connections, then two on one kept-alive connection.
-async fn run_canaries(
+pub async fn run_canaries(
     id: &str,
     addr: std::net::SocketAddr,
     seen: &mut Vec<Vec<u8>>,
@@ -1295,7 +1295,7 @@ fn check_backend(vector: &Vector, backend: &Backend, refused: Option<bool>) -> R
     Ok(())
 }
 
-fn check_garbage(backend: &Backend) -> Result<(), String> {
+pub fn check_garbage(backend: &Backend) -> Result<(), String> {
     for conn in backend.snapshot() {
         if let Some(garbage) = conn.garbage {
             return Err(format!(

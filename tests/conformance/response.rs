@@ -365,6 +365,8 @@ pub fn framings() -> Vec<Vector> {
             "rframe-cl-list-same",
             Reply::raw("HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\nhello"),
         ),
+        // RFC 9112 lets a recipient read identical duplicates as one length; nginx (since 1.23)
+        // refuses a duplicate Content-Length from a backend, the safer outcome taken here.
         bad_gateway(
             "rframe-cl-dup-same",
             Reply::raw("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\nhello"),

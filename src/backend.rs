@@ -177,15 +177,18 @@ pub enum ErrorKind {
     Io,
     /// The response headers did not arrive within the first-byte timeout.
     FirstByteTimeout,
+    /// The response body stalled: nothing came for the upstream idle timeout.
+    IdleTimeout,
 }
 
 impl ErrorKind {
     /// Every kind, in the order of their counters.
-    pub const ALL: [ErrorKind; 4] = [
+    pub const ALL: [ErrorKind; 5] = [
         ErrorKind::Connect,
         ErrorKind::ConnectTimeout,
         ErrorKind::Io,
         ErrorKind::FirstByteTimeout,
+        ErrorKind::IdleTimeout,
     ];
 
     /// The metric label value.
@@ -195,6 +198,7 @@ impl ErrorKind {
             ErrorKind::ConnectTimeout => "connect_timeout",
             ErrorKind::Io => "io",
             ErrorKind::FirstByteTimeout => "first_byte_timeout",
+            ErrorKind::IdleTimeout => "idle_timeout",
         }
     }
 
@@ -246,7 +250,7 @@ pub struct Backend {
     completed: AtomicU64,
     ewma_bits: AtomicU64,
     responses: [AtomicU64; 5],
-    errors: [AtomicU64; 4],
+    errors: [AtomicU64; ErrorKind::ALL.len()],
     consecutive_failures: AtomicU32,
     ejections_total: AtomicU64,
     availability: Mutex<Availability>,

@@ -79,6 +79,8 @@ impl Rejection {
 struct Waiter {
     seq: u64,
     info: RequestInfo,
+    /// Backends this request already tried (a retry): picked only when no other is eligible.
+    excluded: Vec<Arc<Backend>>,
     enqueued_at: Instant,
     reply: oneshot::Sender<Result<Lease, Rejection>>,
 }
@@ -289,12 +291,47 @@ impl Balancer {
         next
     }
 
+    /// Picks for `info` among `candidates` other than `excluded`; among all of them when every
+    /// candidate is excluded (a request that tried every backend may go back to one rather
+    /// than wait for a backend that does not exist).
+    fn pick_excluding(
+        &self,
+        info: &RequestInfo,
+        candidates: &[Arc<Backend>],
+        excluded: &[Arc<Backend>],
+    ) -> Option<Arc<Backend>> {
+        if excluded.is_empty() {
+            return self.pick(info, candidates);
+        }
+        let others: Vec<Arc<Backend>> = candidates
+            .iter()
+            .filter(|b| !excluded.iter().any(|e| Arc::ptr_eq(e, b)))
+            .cloned()
+            .collect();
+        if others.is_empty() {
+            self.pick(info, candidates)
+        } else {
+            self.pick(info, &others)
+        }
+    }
+
     /// Admits one request: returns a lease on a backend, possibly after waiting in the queue.
     pub async fn admit(self: &Arc<Self>, info: RequestInfo) -> Result<Lease, Rejection> {
+        self.admit_excluding(info, Vec::new()).await
+    }
+
+    /// [`Balancer::admit`] for a request that must not go to `excluded` while another backend
+    /// is eligible.
+    async fn admit_excluding(
+        self: &Arc<Self>,
+        info: RequestInfo,
+        excluded: Vec<Arc<Backend>>,
+    ) -> Result<Lease, Rejection> {
         let (seq, reply, enqueued_at) = {
             let mut queue = self.lock();
             if queue.waiters.is_empty() {
-                if let Some(backend) = self.pick(&info, &self.eligible.load()) {
+                if let Some(backend) = self.pick_excluding(&info, &self.eligible.load(), &excluded)
+                {
                     let lease = Lease::new(self, backend);
                     drop(queue);
                     return Ok(lease);
@@ -312,7 +349,7 @@ impl Balancer {
             }
             // The clock is read only for a request that waits.
             let enqueued_at = Instant::now();
-            let (seq, reply) = self.enqueue_locked(&mut queue, info, enqueued_at);
+            let (seq, reply) = self.enqueue_locked(&mut queue, info, excluded, enqueued_at);
             (seq, reply, enqueued_at)
         };
         let mut waiting = Waiting {
@@ -353,7 +390,13 @@ impl Balancer {
             !untried.is_empty()
         };
         if (untried_exist || requeue) && self.strategy.queues_when_unavailable() {
-            return self.admit(info).await.map(Some);
+            // Waiting for an untried backend if one exists; else (a busy answer) for any.
+            let excluded = if untried_exist {
+                tried.to_vec()
+            } else {
+                Vec::new()
+            };
+            return self.admit_excluding(info, excluded).await.map(Some);
         }
         Ok(None)
     }
@@ -396,6 +439,7 @@ impl Balancer {
         self: &Arc<Self>,
         queue: &mut Queue,
         info: RequestInfo,
+        excluded: Vec<Arc<Backend>>,
         enqueued_at: Instant,
     ) -> (u64, oneshot::Receiver<Result<Lease, Rejection>>) {
         if queue.waiters.len() >= self.tuning.queue_max_size {
@@ -410,6 +454,7 @@ impl Balancer {
         queue.waiters.push_back(Waiter {
             seq,
             info,
+            excluded,
             enqueued_at,
             reply: sender,
         });
@@ -427,7 +472,7 @@ impl Balancer {
         }
         let backends = self.eligible.load();
         while let Some(head) = queue.waiters.front() {
-            let Some(backend) = self.pick(&head.info, &backends) else {
+            let Some(backend) = self.pick_excluding(&head.info, &backends, &head.excluded) else {
                 break;
             };
             let Some(waiter) = queue.waiters.pop_front() else {

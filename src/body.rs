@@ -7,9 +7,10 @@
 //! went away) records nothing but still releases the backend, and closes the connection.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -93,6 +94,25 @@ impl Body for BackendBody {
 
 /// A body error, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a client's request body could not be read to its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFailure {
+    /// The client sent nothing for `body_read_timeout` (answered 408).
+    TimedOut,
+    /// The client left mid-body or sent a malformed body (answered 400).
+    Broken,
+}
+
+impl BodyFailure {
+    /// What a request body's `error` says.
+    pub fn of(error: &BoxError) -> Self {
+        match error.downcast_ref::<std::io::Error>() {
+            Some(io) if io.kind() == std::io::ErrorKind::TimedOut => BodyFailure::TimedOut,
+            _ => BodyFailure::Broken,
+        }
+    }
+}
 
 /// A body held whole in memory, handed out as one frame (none when empty).
 #[derive(Debug, Default)]
@@ -195,6 +215,43 @@ pub struct ObservedBody {
     lease: Option<Lease>,
     // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
     outcome: Finish,
+    idle: Option<IdleTimer>,
+}
+
+/// The upstream idle timeout of one response body: the timer is made on the body's first wait
+/// (a body that is ready with its head never makes one), and moved only when it fires.
+#[derive(Debug)]
+struct IdleTimer {
+    timeout: Duration,
+    progress_at: Option<Instant>,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl IdleTimer {
+    /// A frame came.
+    fn progressed(&mut self) {
+        if self.sleep.is_some() {
+            self.progress_at = Some(Instant::now());
+        }
+    }
+
+    /// Whether nothing came for the timeout (registers the wake-up otherwise).
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let progress_at = *self.progress_at.get_or_insert_with(Instant::now);
+        let deadline = progress_at + self.timeout;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            if sleep.deadline() >= deadline {
+                return true;
+            }
+            sleep.as_mut().reset(deadline);
+        }
+    }
 }
 
 impl Drop for ObservedBody {
@@ -254,7 +311,17 @@ impl ObservedBody {
                 retry_after,
                 bytes: 0,
             },
+            idle: None,
         }
+    }
+
+    /// Fails the body when the backend sends nothing for `timeout` (`None`: no limit).
+    pub fn set_idle_timeout(&mut self, timeout: Option<Duration>) {
+        self.idle = timeout.map(|timeout| IdleTimer {
+            timeout,
+            progress_at: None,
+            sleep: None,
+        });
     }
 }
 
@@ -267,7 +334,28 @@ impl Body for ObservedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) else {
+            if this.idle.as_mut().is_some_and(|idle| idle.stalled(cx)) {
+                this.idle = None;
+                finish(
+                    &mut this.lease,
+                    Finish {
+                        error: Some(ErrorKind::IdleTimeout),
+                        retry_after: None,
+                        ..this.outcome
+                    },
+                );
+                let error = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the backend sent nothing for upstream_idle_timeout",
+                );
+                return Poll::Ready(Some(Err(Box::new(error))));
+            }
+            return Poll::Pending;
+        };
+        if let Some(idle) = this.idle.as_mut() {
+            idle.progressed();
+        }
         match &frame {
             Some(Ok(frame)) => {
                 let end = this.inner.is_end_stream();

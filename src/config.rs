@@ -36,9 +36,14 @@ pub struct EnvVar {
 /// Every environment variable the router reads (besides `RUST_LOG` and `CUSTOM_ROUTER_CONFIG`).
 pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
+        name: "CUSTOM_ROUTER_HOST",
+        key: "host",
+        help: "listening address: an IP address, or empty for all interfaces (IPv6 and IPv4)",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_PORT",
         key: "port",
-        help: "listening port on all interfaces (0 picks a free port)",
+        help: "listening port (0 picks a free port)",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_STRATEGY",
@@ -161,6 +166,21 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "seconds a client may take to send its request headers",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_BODY_READ_TIMEOUT",
+        key: "body_read_timeout",
+        help: "seconds a client may leave its request body without sending a byte (then 408)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_UPSTREAM_IDLE_TIMEOUT",
+        key: "upstream_idle_timeout",
+        help: "seconds a backend may leave a response body without sending a byte (0: no limit)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ALLOW_UNDERSCORE_HEADERS",
+        key: "allow_underscore_headers",
+        help: "forward request header fields whose names contain '_' (dropped by default)",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_MAX_HEADER_BYTES",
         key: "max_header_bytes",
         help: "largest request header section accepted, in bytes",
@@ -243,7 +263,9 @@ impl Default for StrategyConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// Listening port (all interfaces). 0 picks a free port.
+    /// Listening address; empty for all interfaces (IPv6 and IPv4 where the system allows).
+    pub host: String,
+    /// Listening port. 0 picks a free port.
     pub port: u16,
     /// Strategy selection and parameters.
     pub strategy: StrategyConfig,
@@ -295,6 +317,12 @@ pub struct Config {
     pub first_byte_timeout: f64,
     /// Seconds a client may take to send its request headers.
     pub header_read_timeout: f64,
+    /// Seconds a client may leave its request body without sending a byte (then 408).
+    pub body_read_timeout: f64,
+    /// Seconds a backend may leave a response body without sending a byte; 0 means no limit.
+    pub upstream_idle_timeout: f64,
+    /// Whether request header fields with `_` in their names are forwarded.
+    pub allow_underscore_headers: bool,
     /// Largest request header section accepted, in bytes.
     pub max_header_bytes: usize,
     /// Client connections served at once.
@@ -321,6 +349,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
+            host: String::new(),
             port: 3000,
             strategy: StrategyConfig::default(),
             latency_threshold: 3.0,
@@ -346,6 +375,9 @@ impl Default for Config {
             slow_start: 0.0,
             first_byte_timeout: 0.0,
             header_read_timeout: 10.0,
+            body_read_timeout: 60.0,
+            upstream_idle_timeout: 300.0,
+            allow_underscore_headers: false,
             max_header_bytes: 64 * 1024,
             max_connections: 4096,
             pre_drain_delay: 0.0,
@@ -487,6 +519,11 @@ impl Settings {
         })
     }
 
+    /// The address to listen on: `None` for all interfaces (the `host` setting is empty).
+    pub fn listen_ip(&self) -> Option<std::net::IpAddr> {
+        listen_ip(&self.config.host)
+    }
+
     /// Queue timeout as a duration.
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.config.queue_timeout)
@@ -626,6 +663,7 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ("health_check_timeout", config.health_check_timeout),
         ("max_busy_pause", config.max_busy_pause),
         ("header_read_timeout", config.header_read_timeout),
+        ("body_read_timeout", config.body_read_timeout),
     ];
     for (key, value) in positive_seconds {
         if !(value.is_finite() && value > 0.0 && value < 1e9) {
@@ -639,6 +677,7 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ("shutdown_timeout", config.shutdown_timeout),
         ("slow_start", config.slow_start),
         ("first_byte_timeout", config.first_byte_timeout),
+        ("upstream_idle_timeout", config.upstream_idle_timeout),
         ("pre_drain_delay", config.pre_drain_delay),
     ];
     for (key, value) in optional_seconds {
@@ -733,6 +772,15 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             .parse::<Cidr>()
             .map_err(|message| ConfigError::new(locate("backend_allow_cidrs"), message))?;
     }
+    if !config.host.is_empty() && listen_ip(&config.host).is_none() {
+        return Err(ConfigError::new(
+            locate("host"),
+            format!(
+                "expected an IP address such as 0.0.0.0, :: or 127.0.0.1 (empty for all interfaces), found {:?}",
+                config.host
+            ),
+        ));
+    }
     if !(config.ewma_alpha > 0.0 && config.ewma_alpha <= 1.0) {
         return Err(ConfigError::new(
             locate("ewma_alpha"),
@@ -740,6 +788,16 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ));
     }
     Ok(())
+}
+
+/// The IP address of a `host` setting (IPv6 may be bracketed).
+fn listen_ip(host: &str) -> Option<std::net::IpAddr> {
+    let host = host.trim();
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|rest| rest.strip_suffix(']'))
+        .unwrap_or(host);
+    bare.parse().ok()
 }
 
 fn read_ca_file(

@@ -11,7 +11,6 @@ pub mod balancer;
 pub mod body;
 pub mod cidr;
 pub mod config;
-pub mod framing;
 pub mod h1;
 pub mod metrics;
 pub mod pool;

@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, ErrorKind};
-use crate::body::UpstreamBody;
+use crate::body::{BodyFailure, UpstreamBody};
 pub use crate::h1::Connection;
 use crate::h1::{RequestHead, ResponseStream, SendError};
 
@@ -63,8 +63,12 @@ impl IdleConnections {
         self.lock().len()
     }
 
-    /// Puts back a connection whose last exchange ended cleanly (at `since`).
+    /// Puts back a connection whose last exchange ended cleanly (at `since`), unless the
+    /// backend already sent something more on it.
     pub fn put(&self, connection: Connection, since: Instant) {
+        if !connection.looks_clean() {
+            return;
+        }
         let mut stack = self.lock();
         if stack.len() >= MAX_IDLE_PER_BACKEND {
             stack.pop_front();
@@ -72,29 +76,35 @@ impl IdleConnections {
         stack.push_back(Idle { connection, since });
     }
 
-    /// Closes the connections idle for longer than `timeout` (and those the backend closed).
+    /// Closes the connections idle for longer than `timeout`, and those on which the backend
+    /// sent anything (bytes or the end of the stream) since their last response.
     pub fn reap(&self, timeout: Duration) {
         let now = Instant::now();
         self.lock().retain(|idle| {
-            now.saturating_duration_since(idle.since) < timeout && !idle.connection.is_closed()
+            now.saturating_duration_since(idle.since) < timeout && idle.connection.is_clean()
         });
     }
 
-    /// Takes the most recently used idle connection the backend has not closed.
+    /// Takes the most recently used idle connection on which the backend has sent nothing since
+    /// its last response; the others are closed on the way.
     fn checkout(&self) -> Option<Connection> {
         let now = Instant::now();
-        let mut stack = self.lock();
-        while let Some(idle) = stack.pop_back() {
-            if now.saturating_duration_since(idle.since) >= IDLE_TIMEOUT {
-                // The stack is ordered by age: everything below is older still.
-                stack.clear();
-                return None;
-            }
-            if !idle.connection.is_closed() {
+        loop {
+            let idle = {
+                let mut stack = self.lock();
+                let idle = stack.pop_back()?;
+                if now.saturating_duration_since(idle.since) >= IDLE_TIMEOUT {
+                    // The stack is ordered by age: everything below is older still.
+                    stack.clear();
+                    return None;
+                }
+                idle
+            };
+            // Checked outside the lock: one system call.
+            if idle.connection.is_clean() {
                 return Some(idle.connection);
             }
         }
-        None
     }
 }
 
@@ -113,37 +123,56 @@ async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, Err
     Ok(Connection::new(stream))
 }
 
+/// Why an exchange gave no response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The backend could not be reached, or the exchange with it failed.
+    Backend(ErrorKind),
+    /// The client's request body failed: the exchange was abandoned and its connection closed;
+    /// nothing is held against the backend.
+    RequestBody(BodyFailure),
+}
+
 /// Sends the request `head` with `body` to `backend` over a pooled connection, or a new one
 /// opened within `connect_timeout`. The response body holds the connection; it goes back to the
 /// pool once the body has been read to its end ([`crate::body::ObservedBody`]).
 ///
 /// Fails with [`ErrorKind::Connect`] or [`ErrorKind::ConnectTimeout`] when no connection could
-/// be opened (nothing was sent), and [`ErrorKind::Io`] when the exchange failed.
+/// be opened (nothing was sent), [`ErrorKind::Io`] when the exchange failed, and
+/// [`Failure::RequestBody`] when the client's body did.
 pub async fn send(
     backend: &Arc<Backend>,
     head: RequestHead<'_>,
     mut body: UpstreamBody,
     connect_timeout: Duration,
-) -> Result<Response<ResponseStream>, ErrorKind> {
+) -> Result<Response<ResponseStream>, Failure> {
     if let Some(connection) = backend.connections().checkout() {
         match connection.send(&head, body).await {
-            Ok(response) => return Ok(response),
             // The connection closed before the request could be written: try a new one.
             Err(SendError::Unsent(unsent)) => body = unsent,
-            Err(SendError::Failed(error)) => {
-                tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");
-                return Err(ErrorKind::Io);
-            }
+            sent => return answered(backend, sent),
         }
     }
-    let connection = connect(backend, connect_timeout).await?;
-    match connection.send(&head, body).await {
+    let connection = connect(backend, connect_timeout)
+        .await
+        .map_err(Failure::Backend)?;
+    answered(backend, connection.send(&head, body).await)
+}
+
+fn answered(
+    backend: &Backend,
+    sent: Result<Response<ResponseStream>, SendError>,
+) -> Result<Response<ResponseStream>, Failure> {
+    match sent {
         Ok(response) => Ok(response),
-        Err(error) => {
-            if let SendError::Failed(error) = error {
-                tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");
-            }
-            Err(ErrorKind::Io)
+        Err(SendError::Body(error)) => {
+            tracing::debug!(%error, backend = %backend.addr(), "request body failed");
+            Err(Failure::RequestBody(BodyFailure::of(&error)))
         }
+        Err(SendError::Failed(error)) => {
+            tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");
+            Err(Failure::Backend(ErrorKind::Io))
+        }
+        Err(SendError::Unsent(_)) => Err(Failure::Backend(ErrorKind::Io)),
     }
 }

@@ -28,9 +28,12 @@ use rustls::pki_types::CertificateDer;
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
-use crate::body::{BackendBody, ClientBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody};
+use crate::body::{
+    BackendBody, BodyFailure, ClientBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody,
+};
 use crate::h1::{FieldLines, Fields};
 use crate::metrics::RetryReason;
+use crate::pool::Failure;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
 use crate::{h1, pool};
@@ -67,7 +70,7 @@ impl UpstreamClient {
         head: &'a mut RequestHead,
         body: UpstreamBody,
         last: bool,
-    ) -> impl Future<Output = Result<Response<BackendBody>, ErrorKind>> + 'a {
+    ) -> impl Future<Output = Result<Response<BackendBody>, Failure>> + 'a {
         let addr = backend.addr();
         if addr.is_https() {
             future::Either::Right(self.send_tls(addr, head, body, last))
@@ -85,7 +88,7 @@ impl UpstreamClient {
         head: &mut RequestHead,
         body: UpstreamBody,
         last: bool,
-    ) -> Result<Response<BackendBody>, ErrorKind> {
+    ) -> Result<Response<BackendBody>, Failure> {
         let https = self.https.get_or_init(|| {
             let connector = HttpsConnectorBuilder::new()
                 .with_tls_config(tls_config(&self.extra_ca_certs))
@@ -288,6 +291,8 @@ pub struct ProxyPolicy {
     pub buffer_budget: Arc<Semaphore>,
     /// How long a backend may take to send response headers.
     pub first_byte_timeout: Option<Duration>,
+    /// How long a backend may leave a response body without sending a byte.
+    pub upstream_idle_timeout: Option<Duration>,
     /// Whether responses carry `x-custom-router-backend` and `x-custom-router-queue-ms`.
     pub decision_headers: bool,
 }
@@ -453,6 +458,8 @@ enum Attempt {
     Busy,
     /// The attempt failed; the lease has recorded it.
     Failed(ErrorKind),
+    /// The client's request body failed; the lease was released with nothing recorded.
+    RequestBody(BodyFailure),
 }
 
 /// A `Retry-After` value in seconds (delta-seconds form; any other visible-ASCII text counts as
@@ -489,13 +496,14 @@ async fn attempt(
     last: bool,
     lease: Lease,
     first_byte_timeout: Option<Duration>,
+    idle_timeout: Option<Duration>,
 ) -> Attempt {
     let may_retry_busy = !last;
     let sent = client.send(lease.backend(), head, body, last);
     let answer = match first_byte_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
             Ok(answer) => answer,
-            Err(_) => Err(ErrorKind::FirstByteTimeout),
+            Err(_) => Err(Failure::Backend(ErrorKind::FirstByteTimeout)),
         },
         None => sent.await,
     };
@@ -538,10 +546,16 @@ async fn attempt(
             if event_stream {
                 lease.mark_streamed();
             }
-            let body = ObservedBody::new(body, lease, status, retry_after);
+            let mut body = ObservedBody::new(body, lease, status, retry_after);
+            body.set_idle_timeout(idle_timeout);
             Attempt::Answer(Response::from_parts(parts, Either::Left(body)))
         }
-        Err(kind) => {
+        Err(Failure::RequestBody(failure)) => {
+            // Not the backend's doing: dropping the lease releases it with no outcome.
+            drop(lease);
+            Attempt::RequestBody(failure)
+        }
+        Err(Failure::Backend(kind)) => {
             tracing::debug!(backend = %lease.backend().addr(), kind = kind.as_str(), "upstream attempt failed");
             lease.finish(Finish {
                 status: None,
@@ -609,15 +623,13 @@ pub async fn proxy(
     fields: Option<FieldLines>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
+    if request.method() == Method::CONNECT {
+        return response::connect_not_allowed();
+    }
     let (parts, body) = request.into_parts();
     let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
         Ok(body) => body,
-        Err(error) => {
-            return response::error(
-                StatusCode::BAD_REQUEST,
-                &format!("could not read the request body: {error}"),
-            );
-        }
+        Err(error) => return response::body_failure(BodyFailure::of(&error)),
     };
     let info = RequestInfo {
         method: parts.method.clone(),
@@ -690,6 +702,7 @@ pub async fn proxy(
             last,
             lease,
             policy.first_byte_timeout,
+            policy.upstream_idle_timeout,
         )
         .await
         {
@@ -699,6 +712,7 @@ pub async fn proxy(
                 }
                 return response;
             }
+            Attempt::RequestBody(failure) => return response::body_failure(failure),
             Attempt::Busy => {
                 last_failure = None;
                 RetryReason::Busy
@@ -727,10 +741,36 @@ pub async fn proxy(
     response::error(StatusCode::BAD_GATEWAY, "no attempt left")
 }
 
-fn classify(error: &hyper_util::client::legacy::Error) -> ErrorKind {
+fn classify(error: &hyper_util::client::legacy::Error) -> Failure {
     if !error.is_connect() {
-        return ErrorKind::Io;
+        // The request body's own error comes back as hyper's "user body" error.
+        let mut source = error.source();
+        while let Some(cause) = source {
+            if let Some(hyper) = cause.downcast_ref::<hyper::Error>() {
+                if hyper.is_user() {
+                    let mut timed_out = false;
+                    let mut inner = hyper.source();
+                    while let Some(cause) = inner {
+                        timed_out |= cause
+                            .downcast_ref::<std::io::Error>()
+                            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut);
+                        inner = cause.source();
+                    }
+                    return Failure::RequestBody(if timed_out {
+                        BodyFailure::TimedOut
+                    } else {
+                        BodyFailure::Broken
+                    });
+                }
+            }
+            source = cause.source();
+        }
+        return Failure::Backend(ErrorKind::Io);
     }
+    Failure::Backend(connect_kind(error))
+}
+
+fn connect_kind(error: &hyper_util::client::legacy::Error) -> ErrorKind {
     let mut source = error.source();
     while let Some(cause) = source {
         if let Some(io) = cause.downcast_ref::<std::io::Error>() {

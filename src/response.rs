@@ -1,12 +1,12 @@
 //! Responses the router writes itself: JSON bodies with the right status.
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::header::{ALLOW, CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{Either, Full};
 
 use crate::balancer::Rejection;
-use crate::body::ResponseBody;
+use crate::body::{BodyFailure, ResponseBody};
 
 const JSON: HeaderValue = HeaderValue::from_static("application/json");
 
@@ -22,6 +22,36 @@ pub fn json(status: StatusCode, value: &serde_json::Value) -> Response<ResponseB
 /// `{"error": message}` with `status`.
 pub fn error(status: StatusCode, message: &str) -> Response<ResponseBody> {
     json(status, &serde_json::json!({ "error": message }))
+}
+
+/// The answer to a request whose body could not be read: 408 when the client stalled, 400 when
+/// it left or sent a malformed body; the connection is closed after it (where the next request
+/// would start is unknown).
+pub fn body_failure(failure: BodyFailure) -> Response<ResponseBody> {
+    let mut response = match failure {
+        BodyFailure::TimedOut => error(
+            StatusCode::REQUEST_TIMEOUT,
+            "the client sent no request body bytes for body_read_timeout",
+        ),
+        BodyFailure::Broken => error(StatusCode::BAD_REQUEST, "could not read the request body"),
+    };
+    response
+        .headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// 405 for `CONNECT`: the router proxies requests, it does not open tunnels.
+pub fn connect_not_allowed() -> Response<ResponseBody> {
+    let mut response = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "CONNECT is not supported: the router does not open tunnels",
+    );
+    response.headers_mut().insert(
+        ALLOW,
+        HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH, TRACE"),
+    );
+    response
 }
 
 /// 503 for a request the router could not place, with `Retry-After`.

@@ -20,12 +20,10 @@ use crate::admin::{self, AdminPolicy};
 use crate::balancer::Balancer;
 use crate::body::{ClientBody, ResponseBody};
 use crate::config::Settings;
-use crate::framing::Inspected;
 use crate::h1::{self, FieldLines};
 use crate::metrics::MetricsError;
 use crate::pool;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
-use crate::response;
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -65,9 +63,13 @@ impl std::fmt::Debug for Router {
 }
 
 impl Router {
-    /// Binds the configured port on all interfaces (IPv6 dual-stack where available, else IPv4).
+    /// Binds the configured host and port; with no host, all interfaces (IPv6 dual-stack where
+    /// available, else IPv4).
     pub async fn bind(settings: Settings) -> Result<Self, StartError> {
         let port = settings.config.port;
+        if let Some(ip) = settings.listen_ip() {
+            return Self::bind_to(settings, SocketAddr::from((ip, port))).await;
+        }
         let v6 = SocketAddr::from((Ipv6Addr::UNSPECIFIED, port));
         match TcpListener::bind(v6).await {
             Ok(listener) => Self::with_listener(settings, listener),
@@ -93,6 +95,7 @@ impl Router {
             body_limit: config.retry_body_limit,
             buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
             first_byte_timeout: Settings::optional(config.first_byte_timeout),
+            upstream_idle_timeout: Settings::optional(config.upstream_idle_timeout),
             decision_headers: config.decision_headers,
         };
         Ok(Self {
@@ -131,13 +134,8 @@ impl Router {
             settings,
         } = self;
         let config = &settings.config;
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .keep_alive(true)
-            .header_read_timeout(Duration::from_secs_f64(config.header_read_timeout))
-            .max_buf_size(config.max_header_bytes);
+        // hyper serves only connections that opened with the HTTP/2 preface.
+        let mut builder = auto::Builder::new(TokioExecutor::new()).http2_only();
         builder
             .http2()
             .timer(TokioTimer::new())
@@ -147,6 +145,8 @@ impl Router {
             limits: h1::server::Limits {
                 header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
                 max_header_bytes: config.max_header_bytes,
+                body_read_timeout: Duration::from_secs_f64(config.body_read_timeout),
+                allow_underscore_headers: config.allow_underscore_headers,
             },
             listener,
             builder,
@@ -251,36 +251,27 @@ impl Acceptor {
         let watcher = self.graceful.watcher();
         tokio::spawn(async move {
             // A client that connects and sends nothing does not keep a connection slot.
-            let mut first = [0u8; 3];
-            let peeked =
-                match tokio::time::timeout(limits.header_read_timeout, stream.peek(&mut first))
-                    .await
-                {
-                    Ok(Ok(read)) if read > 0 => read,
-                    _ => return,
-                };
-            // Only the HTTP/2 preface starts with `PRI` (a method HTTP/1 reserves for it): any
-            // other start is an HTTP/1 request (or garbage, answered 400).
-            if !b"PRI".starts_with(&first[..peeked]) {
+            let preface = tokio::time::timeout(limits.header_read_timeout, h2_preface(&stream));
+            let Ok(Some(h2)) = preface.await else {
+                return;
+            };
+            // Only a connection that opens with the whole HTTP/2 preface is HTTP/2; any other
+            // start is an HTTP/1 request (or garbage, answered 400 by the HTTP/1 server).
+            if !h2 {
                 h1::server::serve(stream, limits, draining, Routes { shared, client }).await;
                 drop(open);
                 drop(slot);
                 return;
             }
             drop(open);
-            let (stream, conflict) = Inspected::new(stream, limits.max_header_bytes);
             let service = service_fn(move |request| {
                 let shared = Arc::clone(&shared);
                 let client = Arc::clone(&client);
-                let conflict = Arc::clone(&conflict);
                 async move {
-                    if conflict.seen() {
-                        return Ok::<_, Infallible>(conflicting_framing());
-                    }
                     let mut answer =
                         route(&shared, request.map(ClientBody::Hyper), None, &client).await;
                     fields_into_map(&mut answer);
-                    Ok(answer)
+                    Ok::<_, Infallible>(answer)
                 }
             });
             let connection = builder.serve_connection(TokioIo::new(stream), service);
@@ -289,6 +280,35 @@ impl Acceptor {
             }
             drop(slot);
         });
+    }
+}
+
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether the connection opens with the whole HTTP/2 preface: peeks until the bytes received
+/// stop matching it (`false`) or match it whole (`true`); `None` if the client closed first.
+async fn h2_preface(stream: &TcpStream) -> Option<bool> {
+    let mut first = [0u8; H2_PREFACE.len()];
+    let mut seen = 0;
+    loop {
+        let peeked = stream.peek(&mut first).await.ok()?;
+        if peeked == 0 {
+            return None;
+        }
+        if !H2_PREFACE.starts_with(&first[..peeked]) {
+            return Some(false);
+        }
+        if peeked == H2_PREFACE.len() {
+            return Some(true);
+        }
+        if peeked == seen {
+            // A prefix of the preface and nothing new yet. A peek leaves the socket readable, so
+            // there is no readiness to wait on: look again shortly (only a client whose first
+            // segment is a prefix of the preface, such as a lone `P`, comes here).
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        seen = peeked;
     }
 }
 
@@ -318,20 +338,6 @@ fn fields_into_map(answer: &mut Response<ResponseBody>) {
     for (name, value) in fields {
         answer.headers_mut().append(name, value);
     }
-}
-
-/// 400 for a request that carried both `Transfer-Encoding` and `Content-Length`; the connection
-/// is closed after it.
-fn conflicting_framing() -> Response<ResponseBody> {
-    let mut answer = response::error(
-        http::StatusCode::BAD_REQUEST,
-        "request has both Transfer-Encoding and Content-Length",
-    );
-    answer.headers_mut().insert(
-        http::header::CONNECTION,
-        http::HeaderValue::from_static("close"),
-    );
-    answer
 }
 
 /// The answer to `request`: from the admin API for its paths, from a backend otherwise.

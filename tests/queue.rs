@@ -452,3 +452,44 @@ async fn a_ratio_of_zero_never_sheds() {
     assert!(waiting.iter().all(|task| !task.is_finished()));
     assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 0.0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_waits_for_an_untried_backend_rather_than_going_back_to_the_failed_one() {
+    let balancer = balancer(|_| {});
+    let [a, b] = &with_backends(&balancer, &["a:1", "b:1"])[..] else {
+        unreachable!()
+    };
+    // Both are fresh and idle: the first two requests take one each.
+    let first = admit_now(&balancer).await;
+    let second = admit_now(&balancer).await;
+    let (on_a, on_b) = if Arc::ptr_eq(first.backend(), a) {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    assert!(Arc::ptr_eq(on_b.backend(), b));
+    on_a.finish(Finish {
+        status: None,
+        error: Some(ErrorKind::Connect),
+        retry_after: None,
+        bytes: 0,
+    });
+    settle().await;
+    let tried = vec![Arc::clone(a)];
+    let retrying = Arc::clone(&balancer);
+    let retry = tokio::spawn(async move {
+        retrying
+            .admit_retry(RequestInfo::default(), &tried, false)
+            .await
+    });
+    settle().await;
+    // The failed backend's slot is held for the latency threshold, then it is idle again, and
+    // the reference rules would take it (measured and idle). The retry must not.
+    advance(Duration::from_secs(4)).await;
+    settle().await;
+    assert_eq!(a.in_flight(), 0);
+    assert!(!retry.is_finished(), "the retry went back to the backend that failed");
+    finish_after(on_b, Duration::from_millis(100)).await;
+    let lease = retry.await.unwrap().unwrap().expect("a lease");
+    assert!(Arc::ptr_eq(lease.backend(), b), "the retry goes to the untried backend");
+}

@@ -464,17 +464,26 @@ async fn a_response_head_over_the_limit_gives_502() {
 }
 
 #[tokio::test]
-async fn a_head_response_has_no_body_and_the_connection_is_reused() {
+async fn a_head_response_has_no_body_and_only_one_announcing_none_keeps_its_connection() {
     let backend = raw_backend(false, |request| {
-        if request.method() == "HEAD" {
-            Reply::keep_open(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
-        } else {
-            Reply::keep_open(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+        match (request.method(), request.target()) {
+            // A HEAD answer that announces a body: the backend might send it after all.
+            ("HEAD", "/sized") => Reply::keep_open(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"),
+            ("HEAD", _) => Reply::keep_open(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"),
+            _ => Reply::keep_open(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),
         }
     })
     .await;
     let router = router_for(&backend).await;
-    let request = Request::head(router.url("/")).body(full("")).unwrap();
+    let request = Request::head(router.url("/sized")).body(full("")).unwrap();
+    let (status, headers, body) = within(send(request)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-length"], "5");
+    assert!(body.is_empty());
+    let (status, body) = get_path(&router, "/").await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"hello"[..]));
+    assert_eq!(backend.accepted(), 2, "the HEAD's connection was closed");
+    let request = Request::head(router.url("/empty")).body(full("")).unwrap();
     let (status, _, body) = within(send(request)).await;
     assert_eq!(status, StatusCode::OK);
     assert!(body.is_empty());
@@ -482,8 +491,8 @@ async fn a_head_response_has_no_body_and_the_connection_is_reused() {
     assert_eq!((status, &body[..]), (StatusCode::OK, &b"hello"[..]));
     assert_eq!(
         backend.accepted(),
-        1,
-        "the GET reuses the HEAD's connection"
+        2,
+        "one connection served the last three"
     );
 }
 

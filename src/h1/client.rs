@@ -27,15 +27,15 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
     Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, READ_BUFFER, Span, append_chunk,
-    append_chunk_size, append_field, append_last_chunk, apply_connection, digits, ends_chunked,
-    field_spans, hop_by_hop, invalid, make_room, parse_content_length, poll_body,
+    append_chunk_size, append_field, append_last_chunk, apply_connection, digits, field_spans,
+    hop_by_hop, invalid, is_chunked, make_room, parse_content_length, poll_body,
 };
 use crate::body::UpstreamBody;
 
@@ -60,6 +60,9 @@ pub enum SendError {
     Unsent(UpstreamBody),
     /// The exchange failed (the request may have reached the backend).
     Failed(io::Error),
+    /// The request body failed (the client left, stalled or sent a malformed body): the
+    /// exchange was abandoned at once and the connection closed.
+    Body(crate::body::BoxError),
 }
 
 impl Connection {
@@ -73,14 +76,35 @@ impl Connection {
         }
     }
 
-    /// Whether the backend closed the connection (as far as the last look at the socket tells).
-    pub fn is_closed(&self) -> bool {
-        let ready = std::pin::pin!(self.stream.ready(Interest::READABLE));
+    /// Whether the idle connection may carry a request: the backend sent nothing since its last
+    /// response ended, not a byte and not the end of the stream. Anything it sent now would be
+    /// read as the answer to the next request, so a connection with unread input is closed:
+    /// what hyper's client ("unexpected message on idle connection") and nginx's keepalive
+    /// close handler do. One non-blocking `recv` with `MSG_PEEK` asks the kernel itself, not the
+    /// runtime's readiness, which may not have seen a segment that just arrived.
+    pub fn is_clean(&self) -> bool {
+        if !self.read.is_empty() {
+            return false;
+        }
+        let mut byte = [MaybeUninit::<u8>::uninit(); 1];
+        match socket2::SockRef::from(&self.stream).peek(&mut byte) {
+            Err(error) => error.kind() == io::ErrorKind::WouldBlock,
+            // A byte, or the end of the stream.
+            Ok(_) => false,
+        }
+    }
+
+    /// [`Connection::is_clean`], asking the kernel only when the runtime saw the socket become
+    /// readable since the last read (the check when a connection goes back to the pool, right
+    /// after its response ended: bytes that came with the response are in the read buffer).
+    pub fn looks_clean(&self) -> bool {
+        if !self.read.is_empty() {
+            return false;
+        }
         let mut context = Context::from_waker(std::task::Waker::noop());
-        match std::future::Future::poll(ready, &mut context) {
-            Poll::Ready(Ok(ready)) => ready.is_read_closed() || ready.is_error(),
-            Poll::Ready(Err(_)) => true,
-            Poll::Pending => false,
+        match self.stream.poll_read_ready(&mut context) {
+            Poll::Pending => true,
+            Poll::Ready(_) => self.is_clean(),
         }
     }
 
@@ -140,6 +164,8 @@ impl Connection {
                 sent = &mut sending => match sent {
                     Ok(()) => Outcome::Answered(receiving.await, true),
                     Err(WriteError::Unsent) => Outcome::Unsent,
+                    // The client's side failed: no answer is waited for, the connection closes.
+                    Err(WriteError::Body(error)) => Outcome::BodyFailed(error),
                     // The backend may have answered before it stopped reading (413, say);
                     // without an answer, the write's error says what went wrong.
                     Err(WriteError::Io(error)) => match receiving.await {
@@ -153,6 +179,7 @@ impl Connection {
         };
         match outcome {
             Outcome::Unsent => Err(SendError::Unsent(body)),
+            Outcome::BodyFailed(error) => Err(SendError::Body(error)),
             Outcome::Answered(Err(error), _) => Err(SendError::Failed(error)),
             Outcome::Answered(Ok(answer), sent) => {
                 let keep_alive = answer.keep_alive && sent;
@@ -173,6 +200,8 @@ impl Connection {
 
 enum Outcome {
     Unsent,
+    /// The request body failed.
+    BodyFailed(crate::body::BoxError),
     /// The response head (or why there is none), and whether the whole request was sent.
     Answered(io::Result<Head>, bool),
 }
@@ -182,6 +211,8 @@ enum WriteError {
     Unsent,
     /// Part of the request may have been sent.
     Io(io::Error),
+    /// The request body (the client's side) failed.
+    Body(crate::body::BoxError),
 }
 
 /// What a request head is made of, borrowed from the proxy's copy of the client's request (so
@@ -311,7 +342,7 @@ async fn write_request(
         let frame = match frame {
             None => break,
             Some(Ok(frame)) => frame,
-            Some(Err(error)) => return Err(WriteError::Io(io::Error::other(error))),
+            Some(Err(error)) => return Err(WriteError::Body(error)),
         };
         let data = match frame.into_data() {
             Ok(data) => data,
@@ -438,7 +469,13 @@ fn parse_head(
     };
     let count = parsed.headers.len();
     field_spans(buffer, parsed.headers, &mut spans);
-    if (100..200).contains(&code) && code != 101 {
+    if code == 101 {
+        // The router never forwards `Upgrade`, so a switch is never asked for (nginx: 502).
+        return Err(invalid(
+            "101 Switching Protocols to a request that asked for no upgrade",
+        ));
+    }
+    if (100..200).contains(&code) {
         buffer.advance(length);
         return Ok(None);
     }
@@ -446,7 +483,7 @@ fn parse_head(
     let head = buffer.split_to(length).freeze();
     let spans = &spans[..count];
     let field = |start: u32, end: u32| &head[start as usize..end as usize];
-    let bodiless = head_request || code == 101 || code == 204 || code == 304;
+    let bodiless = head_request || code == 204 || code == 304;
     // One pass reads the framing and connection fields and, with `lines`, writes the others
     // there (undone below in the rare case that `Connection` names fields).
     let mut content_length: Option<u64> = None;
@@ -465,18 +502,23 @@ fn parse_head(
                 connection_names_fields |= apply_connection(raw_value, http10, &mut keep_alive);
                 continue;
             }
-            // Chunked, or (any other last coding) read to the end of the connection.
+            // Only `chunked`, once: any other coding leaves the end of the body to guesswork.
             Some(Hop::TransferEncoding) => {
-                transfer_encoding = Some(ends_chunked(raw_value));
+                if transfer_encoding.is_some() {
+                    return Err(invalid("duplicate transfer-encoding"));
+                }
+                if !is_chunked(raw_value) {
+                    return Err(invalid("unsupported transfer-encoding"));
+                }
+                transfer_encoding = Some(true);
                 continue;
             }
             Some(Hop::Other) => continue,
             None if raw_name.eq_ignore_ascii_case(b"content-length") => {
-                let length = parse_content_length(raw_value)?;
-                if content_length.is_some_and(|seen| seen != length) {
-                    return Err(invalid("conflicting content-length"));
+                if content_length.is_some() {
+                    return Err(invalid("duplicate content-length"));
                 }
-                content_length = Some(length);
+                content_length = Some(parse_content_length(raw_value)?);
                 if !bodiless {
                     continue;
                 }
@@ -520,24 +562,25 @@ fn parse_head(
             }
         }
     }
+    if transfer_encoding.is_some() && content_length.is_some() {
+        // Two ways to delimit the body: which one the backend meant is unknowable (nginx: 502).
+        return Err(invalid("both transfer-encoding and content-length"));
+    }
     let framing = if bodiless {
-        Framing::Length(0)
-    } else if let Some(chunked) = transfer_encoding {
-        if content_length.is_some() {
-            // Both lengths: the message is read as chunked, and the connection not reused.
+        // A backend that announces a body where none is allowed may well send one: the
+        // connection is not reused, so those bytes can never be read as the next answer.
+        if transfer_encoding.is_some() || content_length.is_some_and(|length| length > 0) {
             keep_alive = false;
         }
-        if chunked {
-            Framing::Chunked(Chunked::Size)
-        } else {
-            Framing::Close
-        }
+        Framing::Length(0)
+    } else if transfer_encoding.is_some() {
+        Framing::Chunked(Chunked::Size)
     } else if let Some(length) = content_length {
         Framing::Length(length)
     } else {
         Framing::Close
     };
-    let keep_alive = keep_alive && code != 101 && framing != Framing::Close;
+    let keep_alive = keep_alive && framing != Framing::Close;
     Ok(Some(Head {
         status,
         version,
@@ -627,7 +670,7 @@ mod tests {
 
     #[test]
     fn response_heads_say_how_the_body_is_delimited() {
-        let cases: [(&[u8], bool, Framing, bool); 9] = [
+        let cases: [(&[u8], bool, Framing, bool); 10] = [
             (
                 b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
                 false,
@@ -639,12 +682,6 @@ mod tests {
                 false,
                 Framing::Chunked(Chunked::Size),
                 true,
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
-                false,
-                Framing::Close,
-                false,
             ),
             (b"HTTP/1.1 200 OK\r\n\r\n", false, Framing::Close, false),
             (
@@ -665,15 +702,28 @@ mod tests {
                 Framing::Length(1),
                 true,
             ),
+            // No body where a body is announced: the connection is not reused.
             (
                 b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
                 true,
                 Framing::Length(0),
-                true,
+                false,
             ),
             (
                 b"HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n",
                 false,
+                Framing::Length(0),
+                false,
+            ),
+            (
+                b"HTTP/1.1 204 No Content\r\ntransfer-encoding: chunked\r\n\r\n",
+                false,
+                Framing::Length(0),
+                false,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+                true,
                 Framing::Length(0),
                 true,
             ),
@@ -768,11 +818,25 @@ mod tests {
             b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
             b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
             b"HTTP/1.1 200 OK\r\ncontent-length: +1\r\n\r\n",
+            // As nginx: duplicates and lists, even of one value, are refused.
+            b"HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\ncontent-length: 4\r\n\r\n",
+            // Two framings, a coding other than chunked, two codings fields.
+            b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+            // A switch the router never asked for.
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\r\n",
         ] {
-            assert!(parse_head(&mut BytesMut::from(input), false, None).is_err());
+            assert!(
+                parse_head(&mut BytesMut::from(input), false, None).is_err(),
+                "{}",
+                String::from_utf8_lossy(input)
+            );
         }
         let head = parse_head(
-            &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n"[..]),
+            &mut BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 0004\r\n\r\n"[..]),
             false,
             None,
         )

@@ -99,13 +99,6 @@ pub(crate) fn append_last_chunk(out: &mut Vec<u8>, trailers: Option<&HeaderMap>)
     out.extend_from_slice(b"\r\n");
 }
 
-/// Whether a `Transfer-Encoding` value's last coding is `chunked` (the last coding decides how
-/// a message is delimited).
-pub(crate) fn ends_chunked(value: &[u8]) -> bool {
-    let last = value.rsplit(|&b| b == b',').next().unwrap_or(b"");
-    last.trim_ascii().eq_ignore_ascii_case(b"chunked")
-}
-
 /// Applies a `Connection` value's tokens, in order, to `keep_alive`: `close` ends the
 /// connection, `keep-alive` keeps an HTTP/1.0 one. Returns whether the value names other fields.
 pub(crate) fn apply_connection(value: &[u8], http10: bool, keep_alive: &mut bool) -> bool {
@@ -209,23 +202,58 @@ pub(crate) fn hop_by_hop(name: &[u8]) -> Option<Hop> {
     }
 }
 
-/// A `Content-Length` value: digits, or a list of the same digits (`5, 5`).
+/// A `Content-Length` value: digits only (leading zeros allowed). A list, even of equal values
+/// (`5, 5`), a sign or any other byte is refused, as nginx does: a proxy that read the list
+/// differently from the next hop would disagree about where the message ends.
 pub(crate) fn parse_content_length(value: &[u8]) -> io::Result<u64> {
-    let mut length: Option<u64> = None;
-    for item in value.split(|&b| b == b',') {
-        let item = item.trim_ascii();
-        if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
-            return Err(invalid("invalid content-length"));
-        }
-        let parsed = item
-            .iter()
-            .fold(0u64, |total, digit| total * 10 + u64::from(digit - b'0'));
-        if length.is_some_and(|seen| seen != parsed) {
-            return Err(invalid("conflicting content-length"));
-        }
-        length = Some(parsed);
+    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+        return Err(invalid("invalid content-length"));
     }
-    length.ok_or_else(|| invalid("invalid content-length"))
+    value.iter().try_fold(0u64, |total, digit| {
+        total
+            .checked_mul(10)
+            .and_then(|total| total.checked_add(u64::from(digit - b'0')))
+            .filter(|&total| total <= MAX_BODY_LENGTH)
+            .ok_or_else(|| invalid("content-length too large"))
+    })
+}
+
+/// Largest body length (or chunk size) accepted: what a signed 64-bit offset holds, as in nginx.
+pub(crate) const MAX_BODY_LENGTH: u64 = i64::MAX as u64;
+
+/// Whether a `Transfer-Encoding` value is exactly `chunked` (the only coding the router reads;
+/// nginx answers any other with 501 to a client and 502 from a backend).
+pub(crate) fn is_chunked(value: &[u8]) -> bool {
+    value.trim_ascii().eq_ignore_ascii_case(b"chunked")
+}
+
+/// The size in a chunk-size line (`line` without its line end): one or more hex digits, then
+/// nothing or an extension (`;`, or whitespace then `;`) of visible characters and whitespace.
+/// A leading space, a bare CR, a control byte or a size past [`MAX_BODY_LENGTH`] is refused.
+pub(crate) fn parse_chunk_size(line: &[u8]) -> io::Result<u64> {
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 {
+        return Err(invalid("invalid chunk size"));
+    }
+    let size = line[..digits].iter().try_fold(0u64, |total, &digit| {
+        let value = u64::from((digit as char).to_digit(16).unwrap_or(0));
+        total
+            .checked_mul(16)
+            .map(|total| total + value)
+            .filter(|&total| total <= MAX_BODY_LENGTH)
+            .ok_or_else(|| invalid("chunk size too large"))
+    })?;
+    let extension = &line[digits..];
+    let after_blanks = extension.trim_ascii_start();
+    let well_formed = extension.is_empty()
+        || (after_blanks.first() == Some(&b';')
+            && extension
+                .iter()
+                .all(|&b| b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80));
+    if !well_formed {
+        return Err(invalid("invalid chunk extension"));
+    }
+    Ok(size)
 }
 
 /// How the rest of a message body is delimited, and how far it was read.
@@ -356,17 +384,7 @@ pub(crate) fn decode_chunked(state: &mut Chunked, buffer: &mut BytesMut) -> io::
                 }
                 let line = &buffer[..end];
                 let line = line.strip_suffix(b"\r").unwrap_or(line);
-                let size = line
-                    .split(|&b| b == b';')
-                    .next()
-                    .unwrap_or(b"")
-                    .trim_ascii();
-                if size.is_empty() || size.len() > 15 || !size.iter().all(u8::is_ascii_hexdigit) {
-                    return Err(invalid("invalid chunk size"));
-                }
-                let size = size.iter().fold(0u64, |total, &digit| {
-                    total * 16 + u64::from((digit as char).to_digit(16).unwrap_or(0))
-                });
+                let size = parse_chunk_size(line)?;
                 buffer.advance(end + 1);
                 *state = if size == 0 {
                     Chunked::Trailers
@@ -488,6 +506,24 @@ mod tests {
     }
 
     #[test]
+    fn chunk_sizes_take_sixteen_digits_and_extensions() {
+        for input in [
+            &b"0000000000000005\r\nhello\r\n0\r\n\r\n"[..],
+            b"5;name=value\r\nhello\r\n0\r\n\r\n",
+            b"5 ; name=\"quoted value\"\r\nhello\r\n0\r\n\r\n",
+            b"5\t;x\r\nhello\r\n0\r\n\r\n",
+        ] {
+            let (body, _, ended) = decode_all(input, input.len()).unwrap();
+            assert_eq!(body, b"hello", "{}", String::from_utf8_lossy(input));
+            assert!(ended);
+        }
+        assert_eq!(
+            parse_chunk_size(b"7fffffffffffffff").unwrap(),
+            i64::MAX as u64
+        );
+    }
+
+    #[test]
     fn chunked_trailers_and_bare_line_feeds_are_read() {
         let input = b"3\nabc\n0\r\nx-checksum: 42\r\nx-other: y\r\n\r\n";
         for split in 1..input.len() {
@@ -507,7 +543,16 @@ mod tests {
             b"\r\n",
             b"+5\r\nhello\r\n0\r\n\r\n",
             b"3\r\nabcd\r\n0\r\n\r\n",
+            // Past a signed 64-bit size.
+            b"8000000000000000\r\n",
             b"10000000000000000\r\n",
+            // A leading space, a bare CR in an extension, a size with no `;` before its
+            // extension, `0x`, a control byte.
+            b" 5\r\nhello\r\n0\r\n\r\n",
+            b"5;a\rb\r\nhello\r\n0\r\n\r\n",
+            b"5 x\r\nhello\r\n0\r\n\r\n",
+            b"0x5\r\nhello\r\n0\r\n\r\n",
+            b"5;a\x01\r\nhello\r\n0\r\n\r\n",
         ] {
             assert!(decode_all(input, input.len()).is_err(), "{input:?}");
         }

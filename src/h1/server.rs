@@ -34,7 +34,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -49,10 +49,10 @@ use tokio::sync::watch;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
     Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, append_chunk, append_field,
-    append_last_chunk, apply_connection, digits, ends_chunked, field_spans, hop_by_hop, make_room,
+    append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked, make_room,
     parse_content_length, poll_body,
 };
-use crate::body::{ClientBody, ResponseBody, Whole};
+use crate::body::{BodyFailure, ClientBody, ResponseBody, Whole};
 use crate::response;
 
 /// Request bodies of known length up to this many bytes are read with their head.
@@ -66,6 +66,11 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     /// Largest request head accepted.
     pub max_header_bytes: usize,
+    /// How long a client may leave its request body without sending a byte (then 408).
+    pub body_read_timeout: Duration,
+    /// Whether header fields whose names contain `_` are kept (by default they are dropped, as
+    /// nginx does: CGI-style backends read `X_A` and `X-A` as the same name).
+    pub allow_underscore_headers: bool,
 }
 
 /// The reading side of a client connection and what was read from it.
@@ -84,11 +89,49 @@ impl Inbound {
 }
 
 /// Where a streamed request body leaves the connection's reading side once it was read to its
-/// end.
-type Slot = Arc<Mutex<Option<Inbound>>>;
+/// end, and who waits for it (the connection, to watch the client while the answer is awaited).
+#[derive(Debug, Default)]
+struct Slot {
+    state: Mutex<(Option<Inbound>, Option<Waker>)>,
+}
 
-fn lock(slot: &Slot) -> MutexGuard<'_, Option<Inbound>> {
-    slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, (Option<Inbound>, Option<Waker>)> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Leaves the reading side here and wakes whoever waits for it.
+    fn put(&self, input: Inbound) {
+        let waker = {
+            let mut state = self.lock();
+            state.0 = Some(input);
+            state.1.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    fn take(&self) -> Option<Inbound> {
+        self.lock().0.take()
+    }
+
+    /// Waits until the reading side is left here.
+    async fn returned(&self) -> Inbound {
+        std::future::poll_fn(|cx| {
+            let mut state = self.lock();
+            match state.0.take() {
+                Some(input) => Poll::Ready(input),
+                None => {
+                    state.1 = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
 }
 
 /// A parsed request head, and what it says about the body and the connection.
@@ -141,7 +184,7 @@ pub async fn serve<H: Handler>(
         half,
         buffer: BytesMut::with_capacity(READ_BUFFER),
     });
-    let mut slot: Option<Slot> = None;
+    let mut slot: Option<Arc<Slot>> = None;
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let mut header_timer = HeaderTimer::new(limits.header_read_timeout);
     let mut draining = DrainWatch::new(draining);
@@ -151,7 +194,8 @@ pub async fn serve<H: Handler>(
             Err(Refusal::Quiet) => return,
             Err(Refusal::Answer(status, message)) => {
                 let answer = response::error(status, message);
-                let _ = write_response(&mut writer, &mut out, answer, false, false, true).await;
+                let _ =
+                    write_response(&mut writer, &mut out, answer, Written::closing(), None).await;
                 return;
             }
         };
@@ -175,16 +219,22 @@ pub async fn serve<H: Handler>(
         }
         // The reading side stays here when the body was read with the head; a streamed body takes
         // it and leaves it in the slot at its end.
-        let (body, held) = match body {
+        let (body, mut held) = match body {
             BodyLength::Length(0) => (ClientBody::empty(), Some(input)),
             BodyLength::Length(length) if length <= READ_WHOLE => {
-                match read_whole(&mut input, length as usize).await {
-                    Some(bytes) => (ClientBody::Full(Whole::new(bytes)), Some(input)),
-                    None => return,
+                match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
+                    Ok(bytes) => (ClientBody::Full(Whole::new(bytes)), Some(input)),
+                    Err(BodyFailure::TimedOut) => {
+                        let answer = response::body_failure(BodyFailure::TimedOut);
+                        let closing = Written::closing();
+                        let _ = write_response(&mut writer, &mut out, answer, closing, None).await;
+                        return;
+                    }
+                    Err(BodyFailure::Broken) => return,
                 }
             }
             length => {
-                let slot = Arc::clone(slot.get_or_insert_with(Slot::default));
+                let slot = Arc::clone(slot.get_or_insert_with(Arc::default));
                 let framing = match length {
                     BodyLength::Length(length) => Framing::Length(length),
                     BodyLength::Chunked => Framing::Chunked(Chunked::Size),
@@ -193,58 +243,70 @@ pub async fn serve<H: Handler>(
                     inbound: Some(input),
                     framing,
                     slot,
+                    timeout: limits.body_read_timeout,
+                    progress_at: tokio::time::Instant::now(),
+                    timer: None,
                 };
                 (ClientBody::Streaming(stream), None)
             }
         };
         let answer = pin!(handler.call(request.map(|()| body), fields));
-        let answer = match held {
-            Some(mut input) => {
-                let Some(answer) = answer_unless_gone(answer, &mut input).await else {
-                    // The client left: dropping the handler's future withdrew the request.
-                    return;
-                };
-                inbound = Some(input);
-                answer
-            }
-            None => answer.await,
+        let Some(answer) = answer_unless_gone(answer, &mut held, slot.as_deref()).await else {
+            // The client left: dropping the handler's future withdrew the request.
+            return;
         };
+        if held.is_none() {
+            held = slot.as_ref().and_then(|slot| slot.take());
+        }
         if draining.started() {
             keep_alive = false;
         }
-        let kept = write_response(
-            &mut writer,
-            &mut out,
-            answer,
+        let written = Written {
             head_request,
             http10,
-            !keep_alive,
-        )
-        .await;
+            close: !keep_alive,
+        };
+        let kept = write_response(&mut writer, &mut out, answer, written, held.as_mut()).await;
         if !matches!(kept, Ok(true)) {
             return;
         }
-        if inbound.is_none() {
-            inbound = slot.as_ref().and_then(|slot| lock(slot).take());
+        if held.is_none() {
+            held = slot.as_ref().and_then(|slot| slot.take());
         }
+        inbound = held;
     }
 }
 
 /// Awaits `answer` while watching the client's connection: `None` if the client closed it
-/// first. Bytes the client sends meanwhile (a pipelined request) are kept for later.
+/// first. The reading side is `input`, or, while a streamed request body holds it, is watched
+/// from when the body leaves it in `slot`. Bytes the client sends meanwhile (a pipelined
+/// request) are kept for later.
 async fn answer_unless_gone<F>(
     mut answer: Pin<&mut F>,
-    input: &mut Inbound,
+    input: &mut Option<Inbound>,
+    slot: Option<&Slot>,
 ) -> Option<Response<ResponseBody>>
 where
     F: Future<Output = Response<ResponseBody>>,
 {
     let mut watching = true;
     loop {
+        let watch = async {
+            if input.is_none() {
+                match slot {
+                    Some(slot) => *input = Some(slot.returned().await),
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            match input.as_mut() {
+                Some(input) => client_gone(input).await,
+                None => false,
+            }
+        };
         tokio::select! {
             biased;
             answer = answer.as_mut() => return Some(answer),
-            gone = client_gone(input), if watching => {
+            gone = watch, if watching => {
                 if gone {
                     return None;
                 }
@@ -273,18 +335,23 @@ async fn client_gone(input: &mut Inbound) -> bool {
     }
 }
 
-/// Reads a body of `length` bytes that follows the head; `None` if the connection ended first.
-async fn read_whole(input: &mut Inbound, length: usize) -> Option<Bytes> {
+/// Reads a body of `length` bytes that follows the head, each read within `timeout`.
+async fn read_whole(
+    input: &mut Inbound,
+    length: usize,
+    timeout: Duration,
+) -> Result<Bytes, BodyFailure> {
     while input.buffer.len() < length {
         if input.buffer.capacity() < length {
             input.buffer.reserve(length - input.buffer.len());
         }
-        match input.fill().await {
-            Ok(0) | Err(_) => return None,
-            Ok(_) => {}
+        match tokio::time::timeout(timeout, input.fill()).await {
+            Err(_) => return Err(BodyFailure::TimedOut),
+            Ok(Ok(0) | Err(_)) => return Err(BodyFailure::Broken),
+            Ok(Ok(_)) => {}
         }
     }
-    Some(input.buffer.split_to(length).freeze())
+    Ok(input.buffer.split_to(length).freeze())
 }
 
 /// The header timeout of one connection: one timer for the connection's life, set again only
@@ -356,7 +423,7 @@ async fn read_head(
     let mut started = false;
     loop {
         if !input.buffer.is_empty() {
-            if let Some(head) = parse_head(&mut input.buffer, limits.max_header_bytes)? {
+            if let Some(head) = parse_head(&mut input.buffer, limits)? {
                 return Ok(head);
             }
         }
@@ -382,7 +449,8 @@ async fn read_head(
 
 /// Parses a request head at the start of `buffer` and removes it from there; `None` when it is
 /// not complete yet.
-fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<Head>, Refusal> {
+fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Refusal> {
+    let max_header_bytes = limits.max_header_bytes;
     // Empty lines before a request line are passed over (RFC 9112 §2.2).
     let blank = buffer
         .iter()
@@ -454,12 +522,17 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
     let mut keep_alive = version == Version::HTTP_11;
     let mut expects_continue = false;
     let mut connection_names_fields = false;
-    let mut has_host = false;
+    let mut hosts = 0usize;
+    let mut dropped = false;
     let mut forwarded_for: (usize, Option<Bytes>) = (0, None);
     let mut forwarded_proto: Option<Bytes> = None;
     let mut lines = Vec::with_capacity(length);
     for &(name_start, name_end, value_start, value_end) in spans {
         let (name, value) = (field(name_start, name_end), field(value_start, value_end));
+        if !limits.allow_underscore_headers && name.contains(&b'_') {
+            dropped = true;
+            continue;
+        }
         match hop_by_hop(name) {
             Some(Hop::Connection) => {
                 connection_names_fields |=
@@ -467,20 +540,23 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
                 continue;
             }
             Some(Hop::TransferEncoding) => {
-                chunked = Some(ends_chunked(value));
+                if chunked.is_some() {
+                    return Err(bad("duplicate Transfer-Encoding"));
+                }
+                chunked = Some(is_chunked(value));
                 continue;
             }
             Some(Hop::Other) => continue,
             None => {}
         }
         if name.eq_ignore_ascii_case(b"content-length") {
-            let length = parse_content_length(value).map_err(|_| bad("invalid Content-Length"))?;
-            if content_length.is_some_and(|seen| seen != length) {
-                return Err(bad("conflicting Content-Length"));
+            if content_length.is_some() {
+                return Err(bad("duplicate Content-Length"));
             }
+            let length = parse_content_length(value).map_err(|_| bad("invalid Content-Length"))?;
             content_length = Some(length);
         } else if name.eq_ignore_ascii_case(b"host") {
-            has_host = true;
+            hosts += 1;
         } else if name.eq_ignore_ascii_case(b"expect") {
             expects_continue = value.eq_ignore_ascii_case(b"100-continue");
         } else if name.eq_ignore_ascii_case(FORWARDED_FOR.as_bytes()) {
@@ -494,6 +570,14 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
         }
         append_field(&mut lines, name, value);
     }
+    // RFC 9112 §3.2: an HTTP/1.1 request has exactly one `Host` (nginx: 400 otherwise).
+    if hosts > 1 {
+        return Err(bad("duplicate Host"));
+    }
+    if hosts == 0 && version == Version::HTTP_11 {
+        return Err(bad("HTTP/1.1 request without Host"));
+    }
+    let has_host = hosts == 1;
     // Lines serve unless `Connection` names fields (they must go too), `X-Forwarded-For` came
     // more than once (its values are joined), or an absolute-form target stands for `Host`.
     let as_lines =
@@ -508,7 +592,8 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
         );
         (HeaderMap::new(), Some(fields))
     } else {
-        (field_map(&head, spans).map_err(bad)?, None)
+        let kept = |name: &[u8]| !dropped || !name.contains(&b'_');
+        (field_map(&head, spans, kept).map_err(bad)?, None)
     };
     let body = match (chunked, content_length) {
         (Some(_), Some(_)) => {
@@ -519,7 +604,13 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
             return Err(bad("Transfer-Encoding in an HTTP/1.0 request"));
         }
         (Some(true), None) => BodyLength::Chunked,
-        (Some(false), None) => return Err(bad("unsupported transfer coding")),
+        // nginx: 501 for a coding it cannot decode.
+        (Some(false), None) => {
+            return Err(Refusal::Answer(
+                StatusCode::NOT_IMPLEMENTED,
+                "unsupported transfer coding",
+            ));
+        }
         (None, length) => BodyLength::Length(length.unwrap_or(0)),
     };
     let mut request = Request::new(());
@@ -536,11 +627,18 @@ fn parse_head(buffer: &mut BytesMut, max_header_bytes: usize) -> Result<Option<H
     }))
 }
 
-/// Every field of the request head `head` (where `spans` lie) in a map.
-fn field_map(head: &Bytes, spans: &[Span]) -> Result<HeaderMap, &'static str> {
+/// Every field of the request head `head` (where `spans` lie) whose name is `kept`, in a map.
+fn field_map(
+    head: &Bytes,
+    spans: &[Span],
+    kept: impl Fn(&[u8]) -> bool,
+) -> Result<HeaderMap, &'static str> {
     // Room for the two forwarding fields the proxy adds, so the map does not grow for them.
     let mut headers = HeaderMap::with_capacity(spans.len() + 2);
     for &(name_start, name_end, value_start, value_end) in spans {
+        if !kept(&head[name_start as usize..name_end as usize]) {
+            continue;
+        }
         let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
             .map_err(|_| "invalid header name")?;
         let value =
@@ -549,6 +647,28 @@ fn field_map(head: &Bytes, spans: &[Span]) -> Result<HeaderMap, &'static str> {
         headers.append(name, value);
     }
     Ok(headers)
+}
+
+/// What the request said about how its response is written.
+#[derive(Debug, Clone, Copy)]
+struct Written {
+    /// The request was `HEAD`: no body.
+    head_request: bool,
+    /// The client speaks HTTP/1.0.
+    http10: bool,
+    /// The connection ends after this response.
+    close: bool,
+}
+
+impl Written {
+    /// A response after which the connection closes (a refusal).
+    fn closing() -> Self {
+        Self {
+            head_request: false,
+            http10: false,
+            close: true,
+        }
+    }
 }
 
 /// How a response body is delimited on the wire.
@@ -567,10 +687,14 @@ async fn write_response(
     writer: &mut OwnedWriteHalf,
     out: &mut Vec<u8>,
     answer: Response<ResponseBody>,
-    head_request: bool,
-    http10: bool,
-    mut close: bool,
+    written: Written,
+    mut input: Option<&mut Inbound>,
 ) -> io::Result<bool> {
+    let Written {
+        head_request,
+        http10,
+        mut close,
+    } = written;
     let (parts, mut body) = answer.into_parts();
     let status = parts.status;
     let bodiless = head_request
@@ -636,6 +760,9 @@ async fn write_response(
     };
     if close {
         out.extend_from_slice(b"connection: close\r\n");
+    } else if http10 {
+        // An HTTP/1.0 client keeps the connection only when told so (RFC 9112 §9.3, Appendix C.2.2).
+        out.extend_from_slice(b"connection: keep-alive\r\n");
     }
     out.extend_from_slice(b"\r\n");
     if framing == Outgoing::None {
@@ -656,7 +783,23 @@ async fn write_response(
                         writer.write_all(out).await?;
                         out.clear();
                     }
-                    std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+                    let next = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
+                    match input.as_deref_mut() {
+                        // While the body waits on its backend, a client that leaves ends it.
+                        Some(watched) => tokio::select! {
+                            biased;
+                            frame = next => frame,
+                            gone = client_gone(watched) => {
+                                if gone {
+                                    return Err(io::ErrorKind::ConnectionAborted.into());
+                                }
+                                // A pipelined request came: it waits in the buffer.
+                                input = None;
+                                continue;
+                            }
+                        },
+                        None => next.await,
+                    }
                 }
             }
         };
@@ -778,26 +921,49 @@ fn http_date(seconds: u64) -> [u8; 29] {
 
 /// A request body read from the client's connection as it is polled. At its end it leaves the
 /// connection's reading side for the next request; dropped before its end, the connection
-/// closes after the response.
+/// closes after the response. It fails with [`io::ErrorKind::TimedOut`] when the client sends
+/// nothing for `timeout` (the timer is made on the first wait and moved only when it fires).
 #[derive(Debug)]
 pub struct RequestStream {
     inbound: Option<Inbound>,
     framing: Framing,
-    slot: Slot,
+    slot: Arc<Slot>,
+    timeout: Duration,
+    progress_at: tokio::time::Instant,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl RequestStream {
     /// Leaves the reading side for the next request (the body was read to its end).
     fn finish(&mut self) {
         if let Some(input) = self.inbound.take() {
-            *lock(&self.slot) = Some(input);
+            self.slot.put(input);
         }
     }
 
     fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         self.framing = Framing::Failed;
         self.inbound = None;
+        self.timer = None;
         Poll::Ready(Some(Err(error)))
+    }
+
+    /// Whether the client has sent nothing for the timeout (registers the wake-up otherwise).
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let deadline = self.progress_at + self.timeout;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        loop {
+            if timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            if timer.deadline() >= deadline {
+                return true;
+            }
+            // Bytes came since the timer was set: it waits on from the last of them.
+            timer.as_mut().reset(deadline);
+        }
     }
 }
 
@@ -813,13 +979,17 @@ impl Body for RequestStream {
         let Some(input) = this.inbound.as_mut() else {
             return Poll::Ready(None);
         };
-        match ready!(poll_body(
-            &mut this.framing,
-            &mut input.half,
-            &mut input.buffer,
-            cx
-        )) {
+        let polled = poll_body(&mut this.framing, &mut input.half, &mut input.buffer, cx);
+        let Poll::Ready(polled) = polled else {
+            if this.stalled(cx) {
+                let error = io::Error::new(io::ErrorKind::TimedOut, "request body timed out");
+                return this.fail(error);
+            }
+            return Poll::Pending;
+        };
+        match polled {
             Ok(frame) => {
+                this.progress_at = tokio::time::Instant::now();
                 if this.framing.is_end() {
                     this.finish();
                 }
@@ -842,6 +1012,15 @@ impl Body for RequestStream {
 mod tests {
     use super::*;
 
+    fn test_limits() -> Limits {
+        Limits {
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 8192,
+            body_read_timeout: Duration::from_secs(60),
+            allow_underscore_headers: false,
+        }
+    }
+
     #[test]
     fn dates_are_imf_fixdates() {
         assert_eq!(&http_date(784_111_777), b"Sun, 06 Nov 1994 08:49:37 GMT");
@@ -852,23 +1031,28 @@ mod tests {
 
     #[test]
     fn heads_say_how_the_body_is_delimited_and_whether_to_keep_alive() {
-        let parse = |text: &str| match parse_head(&mut BytesMut::from(text.as_bytes()), 8192) {
-            Ok(Some(head)) => Ok((head.body, head.keep_alive)),
-            Ok(None) => Err("partial".to_owned()),
-            Err(Refusal::Answer(status, message)) => Err(format!("{status} {message}")),
-            Err(Refusal::Quiet) => Err("quiet".to_owned()),
-        };
+        let parse =
+            |text: &str| match parse_head(&mut BytesMut::from(text.as_bytes()), test_limits()) {
+                Ok(Some(head)) => Ok((head.body, head.keep_alive)),
+                Ok(None) => Err("partial".to_owned()),
+                Err(Refusal::Answer(status, message)) => Err(format!("{status} {message}")),
+                Err(Refusal::Quiet) => Err("quiet".to_owned()),
+            };
         assert_eq!(
             parse("\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n"),
             Ok((BodyLength::Length(0), true))
         );
         assert_eq!(
-            parse("POST / HTTP/1.1\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"),
+            parse("POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"),
             Ok((BodyLength::Length(5), false))
         );
         assert_eq!(
-            parse("POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
+            parse("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n"),
             Ok((BodyLength::Chunked, true))
+        );
+        assert_eq!(
+            parse("POST / HTTP/1.1\r\nHost: x\r\ncontent-length: 005\r\n\r\n"),
+            Ok((BodyLength::Length(5), true))
         );
         assert_eq!(
             parse("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"),
@@ -879,17 +1063,29 @@ mod tests {
             Err("partial".to_owned())
         );
         for refused in [
-            "POST / HTTP/1.1\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n",
+            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
             "POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
-            "POST / HTTP/1.1\r\ncontent-length: -5\r\n\r\n",
+            "POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n",
+            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5, 5\r\n\r\n",
+            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\n",
             "GET / HTTP/1.1\r\nbad header\r\n\r\n",
             "G\x01T / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET http://b:81/ HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n",
         ] {
             assert!(
                 parse(refused).is_err_and(|error| error.starts_with("400")),
                 "{refused:?}"
+            );
+        }
+        for coding in ["gzip", "gzip, chunked", "chunked, identity", "xchunked"] {
+            let text = format!("POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: {coding}\r\n\r\n");
+            assert!(
+                parse(&text).is_err_and(|error| error.starts_with("501")),
+                "{coding}"
             );
         }
         let long = format!("GET / HTTP/1.1\r\nx-long: {}\r\n\r\n", "a".repeat(9000));
@@ -899,7 +1095,8 @@ mod tests {
     #[test]
     fn fields_are_kept_as_lines_unless_they_need_the_map() {
         let parse = |text: &str| {
-            let Ok(Some(head)) = parse_head(&mut BytesMut::from(text.as_bytes()), 8192) else {
+            let Ok(Some(head)) = parse_head(&mut BytesMut::from(text.as_bytes()), test_limits())
+            else {
                 panic!("not a head: {text:?}");
             };
             head
@@ -926,13 +1123,43 @@ mod tests {
         for text in [
             "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-private\r\nX-Private: 1\r\n\r\n",
             "GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\n\r\n",
-            "GET http://b:81/ HTTP/1.1\r\nX-Id: 1\r\n\r\n",
+            "GET http://b:81/ HTTP/1.0\r\nX-Id: 1\r\n\r\n",
         ] {
             let head = parse(text);
             assert!(head.fields.is_none(), "{text:?}");
             let fields = text.matches("\r\n").count() - 2;
             assert_eq!(head.request.headers().len(), fields, "{text:?}");
         }
+    }
+
+    #[test]
+    fn underscore_names_are_dropped_unless_allowed() {
+        let text = "GET / HTTP/1.1\r\nHost: a\r\nX_Api: 1\r\nTransfer_Encoding: chunked\r\nX-Ok: 2\r\n\r\n";
+        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), test_limits()) else {
+            panic!("not a head");
+        };
+        assert_eq!(head.body, BodyLength::Length(0));
+        assert_eq!(
+            head.fields.expect("lines").lines(),
+            b"Host: a\r\nX-Ok: 2\r\n"
+        );
+        let mapped = "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-b\r\nX_Api: 1\r\nX-Ok: 2\r\n\r\n";
+        let Ok(Some(head)) = parse_head(&mut BytesMut::from(mapped), test_limits()) else {
+            panic!("not a head");
+        };
+        assert!(!head.request.headers().contains_key("x_api"));
+        assert!(head.request.headers().contains_key("x-ok"));
+        let allowed = Limits {
+            allow_underscore_headers: true,
+            ..test_limits()
+        };
+        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), allowed) else {
+            panic!("not a head");
+        };
+        assert_eq!(
+            head.fields.expect("lines").lines(),
+            b"Host: a\r\nX_Api: 1\r\nTransfer_Encoding: chunked\r\nX-Ok: 2\r\n"
+        );
     }
 
     struct Answer;
@@ -953,7 +1180,7 @@ mod tests {
         let (drain, draining) = watch::channel(false);
         let limits = Limits {
             header_read_timeout: Duration::from_secs(600),
-            max_header_bytes: 8192,
+            ..test_limits()
         };
         let addr = listener.local_addr().unwrap();
         let served = tokio::spawn(async move {

@@ -1014,8 +1014,6 @@ impl Req {
 pub struct Vector {
     pub id: String,
     pub config: Config,
-    /// Settings given by name, set through the config's serde form.
-    pub settings: Vec<(String, serde_json::Value)>,
     pub script: Script,
     /// Client connections, one after the other.
     pub clients: Vec<Vec<Step>>,
@@ -1038,7 +1036,6 @@ pub fn vector(id: &str, steps: Vec<Step>) -> Vector {
     Vector {
         id: id.to_owned(),
         config,
-        settings: Vec::new(),
         script: Script::default(),
         clients: vec![steps],
         backend: BackendCheck::Any,
@@ -1087,24 +1084,6 @@ impl Vector {
         change(&mut self.config);
         self
     }
-
-    /// Sets the config field `name` through the config's serde form, so a setting this build
-    /// does not know fails the vector (not the whole file's build).
-    pub fn setting(mut self, name: &str, value: impl Into<serde_json::Value>) -> Self {
-        self.settings.push((name.to_owned(), value.into()));
-        self
-    }
-}
-
-fn configure(vector: &Vector) -> Result<Config, String> {
-    if vector.settings.is_empty() {
-        return Ok(vector.config.clone());
-    }
-    let mut value = serde_json::to_value(&vector.config).map_err(|e| e.to_string())?;
-    for (name, setting) in &vector.settings {
-        value[name.as_str()] = setting.clone();
-    }
-    serde_json::from_value(value).map_err(|e| format!("config setting not on this build: {e}"))
 }
 
 /// A request for `path` with a Host field.
@@ -1128,7 +1107,7 @@ pub async fn run_vector(vector: Vector) -> Result<(), String> {
 }
 
 async fn run(vector: Vector) -> Result<(), String> {
-    let config = configure(&vector)?;
+    let config = vector.config.clone();
     let backend = Backend::start(vector.script.clone()).await;
     let router = start_router(config).await;
     set_backends(router.addr, std::slice::from_ref(&backend.addr)).await;

@@ -58,7 +58,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::Closed,
             ],
         )
-        .setting("body_read_timeout", 0.3)
+        .config(|config| config.body_read_timeout = 0.3)
         .nothing(),
         vector(
             "stall-body-streamed",
@@ -69,7 +69,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::Closed,
             ],
         )
-        .setting("body_read_timeout", 0.3)
+        .config(|config| config.body_read_timeout = 0.3)
         .backend_closed_within(1000),
         vector(
             "stall-body-chunked",
@@ -80,7 +80,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::Closed,
             ],
         )
-        .setting("body_read_timeout", 0.3)
+        .config(|config| config.body_read_timeout = 0.3)
         .backend_closed_within(1000),
         // A body that keeps coming, slower than the timeout in total but never idle that long.
         vector(
@@ -98,7 +98,7 @@ pub fn stalls() -> Vec<Vector> {
                 expect(resp(200).body("/x")),
             ],
         )
-        .setting("body_read_timeout", 0.3)
+        .config(|config| config.body_read_timeout = 0.3)
         .requests(vec![req("POST /x HTTP/1.1").body("bbbbbbbbbb")]),
         // The client leaves while the backend prepares its answer.
         vector(
@@ -141,7 +141,7 @@ pub fn stalls() -> Vec<Vector> {
             Reply::raw(format!("HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{}", &hundred[..10]))
                 .hold(),
         ))
-        .setting("upstream_idle_timeout", 0.3)
+        .config(|config| config.upstream_idle_timeout = 0.3)
         .backend_closed_within(1000),
         vector(
             "stall-upstream-idle-chunked",
@@ -160,7 +160,7 @@ pub fn stalls() -> Vec<Vector> {
             ))
             .hold(),
         ))
-        .setting("upstream_idle_timeout", 0.3)
+        .config(|config| config.upstream_idle_timeout = 0.3)
         .backend_closed_within(1000),
         // The backend sends nothing: 504, and its connection is not used again.
         vector(

@@ -424,6 +424,13 @@ pub fn framing() -> Vec<Vector> {
             "POST /x HTTP/1.1",
             b"hello",
         ),
+        // A Content-Length in the trailers frames nothing.
+        accepted(
+            "frame-chunk-trailer-content-length",
+            chunked_post("/x", "5\r\nhello\r\n0\r\nContent-Length: 40\r\n\r\n"),
+            "POST /x HTTP/1.1",
+            b"hello",
+        ),
         accepted(
             "frame-chunk-uppercase-hex",
             chunked_post("/x", "A\r\n0123456789\r\n0\r\n\r\n"),

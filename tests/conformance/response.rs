@@ -139,6 +139,52 @@ pub fn desyncs() -> Vec<Vector> {
             .forbid("HIJACK"),
         );
     }
+    for (later, when) in [(false, "same"), (true, "later")] {
+        vectors.push(desync(
+            &format!("resp-head-chunked-body-{when}"),
+            HEAD_X,
+            with_poison(
+                format!(
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n",
+                    POISON.len()
+                )
+                .as_bytes(),
+                later,
+            ),
+            resp(200).for_head(),
+        ));
+        // `Connection: close` said, the socket left open, then more bytes.
+        vectors.push(desync(
+            &format!("resp-connection-close-kept-open-{when}"),
+            GET_X,
+            with_poison(
+                b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 5\r\n\r\nhello",
+                later,
+            ),
+            resp(200).body("hello"),
+        ));
+    }
+    // The end of the body and the extra bytes come together, in a later segment.
+    vectors.push(desync(
+        "resp-cl-extra-with-body-end-later",
+        GET_X,
+        Reply::owned(vec![
+            (
+                0,
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel".to_vec(),
+            ),
+            (40, cat(&[b"lo", POISON])),
+        ]),
+        resp(200).body("hello"),
+    ));
+    vectors.push(desync(
+        "resp-chunk-16-digits",
+        GET_X,
+        Reply::raw(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0000000000000005\r\nhello\r\n0\r\n\r\n",
+        ),
+        resp(200).body("hello"),
+    ));
     // A complete answer, then a whole unsolicited response on the idle connection.
     vectors.push(desync(
         "resp-unsolicited-after-idle",

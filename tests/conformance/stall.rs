@@ -29,6 +29,22 @@ fn event_stream() -> Reply {
     Reply::owned(pieces).close()
 }
 
+/// A 10 MiB body declared by its length, sent 64 KiB every 20 ms.
+fn large_body() -> Reply {
+    let mut pieces = vec![(
+        0,
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n",
+            10 * 1024 * 1024
+        )
+        .into_bytes(),
+    )];
+    for _ in 0..160 {
+        pieces.push((20, vec![b'z'; 64 * 1024]));
+    }
+    Reply::owned(pieces)
+}
+
 pub fn stalls() -> Vec<Vector> {
     let hundred = "0123456789".repeat(10);
     vec![
@@ -125,6 +141,17 @@ pub fn stalls() -> Vec<Vector> {
             ],
         )
         .script(Script::default().path("/x", event_stream()))
+        .backend_closed_within(1000),
+        // The client leaves partway through a large body.
+        vector(
+            "stall-client-gone-mid-body",
+            vec![
+                send("GET /x HTTP/1.1\r\nHost: a\r\n\r\n"),
+                Step::ReadUntil(b"zzzz".to_vec()),
+                Step::CloseNow,
+            ],
+        )
+        .script(Script::default().path("/x", large_body()))
         .backend_closed_within(1000),
         // The backend stops sending partway through a body.
         vector(

@@ -488,14 +488,8 @@ async fn a_retry_waits_for_an_untried_backend_rather_than_going_back_to_the_fail
     advance(Duration::from_secs(4)).await;
     settle().await;
     assert_eq!(a.in_flight(), 0);
-    assert!(
-        !retry.is_finished(),
-        "the retry went back to the backend that failed"
-    );
+    assert!(!retry.is_finished(), "the retry went back to the backend that failed");
     finish_after(on_b, Duration::from_millis(100)).await;
     let lease = retry.await.unwrap().unwrap().expect("a lease");
-    assert!(
-        Arc::ptr_eq(lease.backend(), b),
-        "the retry goes to the untried backend"
-    );
+    assert!(Arc::ptr_eq(lease.backend(), b), "the retry goes to the untried backend");
 }

@@ -176,6 +176,7 @@ async fn set_backends(
         Ok(addrs) => addrs,
         Err(message) => return response::error(StatusCode::BAD_REQUEST, &message),
     };
+    balancer.mark_set_by_admin();
     let backends = balancer.set_backends(addrs);
     let list: Vec<&str> = backends.iter().map(|b| b.addr().as_str()).collect();
     tracing::info!(backends = ?list, "backend set replaced");

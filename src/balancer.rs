@@ -138,6 +138,8 @@ pub struct Balancer {
     retry_budget: RetryBudget,
     draining: AtomicBool,
     panic_mode: AtomicBool,
+    /// Whether a set-backends call replaced the configured backends (discovery then stops).
+    set_by_admin: AtomicBool,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -192,6 +194,7 @@ impl Balancer {
             ),
             draining: AtomicBool::new(false),
             panic_mode: AtomicBool::new(false),
+            set_by_admin: AtomicBool::new(false),
         }))
     }
 
@@ -203,6 +206,16 @@ impl Balancer {
     /// The retry budget shared by all requests.
     pub fn retry_budget(&self) -> &RetryBudget {
         &self.retry_budget
+    }
+
+    /// Notes that the admin API replaced the backend set: configured discovery stops.
+    pub fn mark_set_by_admin(&self) {
+        self.set_by_admin.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the admin API replaced the backend set.
+    pub fn backends_set_by_admin(&self) -> bool {
+        self.set_by_admin.load(Ordering::SeqCst)
     }
 
     /// Marks the router as draining (health answers 503).

@@ -21,6 +21,7 @@ use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use crate::access_log;
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
 use crate::h1::client::Passthrough;
@@ -105,6 +106,14 @@ pub enum BodyFailure {
 }
 
 impl BodyFailure {
+    /// The name used in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BodyFailure::TimedOut => "client_body_timeout",
+            BodyFailure::Broken => "client_body_error",
+        }
+    }
+
     /// What a request body's `error` says.
     pub fn of(error: &BoxError) -> Self {
         match error.downcast_ref::<std::io::Error>() {
@@ -216,6 +225,8 @@ pub struct ObservedBody {
     // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
     outcome: Finish,
     idle: Option<IdleTimer>,
+    /// The request's access log record, written when the body ends.
+    log: Option<Box<access_log::Pending>>,
 }
 
 /// The upstream idle timeout of one response body: the timer is made on the body's first wait
@@ -261,6 +272,7 @@ impl Drop for ObservedBody {
         if self.inner.is_end_stream() {
             finish_at_end(&mut self.lease, &mut self.inner, self.outcome);
         }
+        self.write_log();
     }
 }
 
@@ -312,6 +324,19 @@ impl ObservedBody {
                 bytes: 0,
             },
             idle: None,
+            log: None,
+        }
+    }
+
+    /// Writes `log` when the body ends, fails or is dropped.
+    pub fn set_access_log(&mut self, log: Option<Box<access_log::Pending>>) {
+        self.log = log;
+    }
+
+    fn write_log(&mut self) {
+        if let Some(log) = self.log.take() {
+            let status = self.outcome.status.map_or(0, |status| status.as_u16());
+            log.finish(status, self.outcome.bytes, None);
         }
     }
 
@@ -355,6 +380,11 @@ impl Body for ObservedBody {
         };
         if let Some(idle) = this.idle.as_mut() {
             idle.progressed();
+        }
+        if let (Some(log), Some(Ok(frame))) = (this.log.as_mut(), frame.as_ref()) {
+            if frame.is_data() {
+                log.first_byte();
+            }
         }
         match &frame {
             Some(Ok(frame)) => {

@@ -46,6 +46,21 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "listening port (0 picks a free port)",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_BACKENDS",
+        key: "backends",
+        help: "comma-separated backends at start: host:port, http(s)://host:port, dns://NAME:PORT, dns+https://NAME:PORT",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_DNS_REFRESH",
+        key: "dns_refresh",
+        help: "seconds between DNS lookups of dns:// backends",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ACCESS_LOG",
+        key: "access_log",
+        help: "write one JSON line per finished request to stdout",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_STRATEGY",
         key: "strategy.name",
         help: "routing strategy, by registry name",
@@ -267,6 +282,13 @@ pub struct Config {
     pub host: String,
     /// Listening port. 0 picks a free port.
     pub port: u16,
+    /// Backends at start (set-backends replaces them): addresses and `dns://` names.
+    #[serde(deserialize_with = "list_or_comma_separated")]
+    pub backends: Vec<String>,
+    /// Seconds between DNS lookups of `dns://` backends.
+    pub dns_refresh: f64,
+    /// Whether each finished request is written as a JSON line to stdout.
+    pub access_log: bool,
     /// Strategy selection and parameters.
     pub strategy: StrategyConfig,
     /// Seconds. A busy backend with a higher EWMA is not preferred; failures count at least this.
@@ -351,6 +373,9 @@ impl Default for Config {
         Self {
             host: String::new(),
             port: 3000,
+            backends: Vec::new(),
+            dns_refresh: 5.0,
+            access_log: false,
             strategy: StrategyConfig::default(),
             latency_threshold: 3.0,
             queue_max_size: 1000,
@@ -524,6 +549,12 @@ impl Settings {
         listen_ip(&self.config.host)
     }
 
+    /// The configured backends (validated when the settings were built).
+    pub fn discovery(&self) -> crate::discovery::Discovery {
+        let entries = crate::discovery::parse_entries(&self.config.backends).unwrap_or_default();
+        crate::discovery::Discovery::new(entries, Duration::from_secs_f64(self.config.dns_refresh))
+    }
+
     /// Queue timeout as a duration.
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.config.queue_timeout)
@@ -664,6 +695,7 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
         ("max_busy_pause", config.max_busy_pause),
         ("header_read_timeout", config.header_read_timeout),
         ("body_read_timeout", config.body_read_timeout),
+        ("dns_refresh", config.dns_refresh),
     ];
     for (key, value) in positive_seconds {
         if !(value.is_finite() && value > 0.0 && value < 1e9) {
@@ -772,6 +804,8 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             .parse::<Cidr>()
             .map_err(|message| ConfigError::new(locate("backend_allow_cidrs"), message))?;
     }
+    crate::discovery::parse_entries(&config.backends)
+        .map_err(|message| ConfigError::new(locate("backends"), message))?;
     if !config.host.is_empty() && listen_ip(&config.host).is_none() {
         return Err(ConfigError::new(
             locate("host"),

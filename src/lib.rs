@@ -5,12 +5,14 @@
 //! `POST /_custom_router/set-backends`, and every other request is proxied to the replica the
 //! configured [strategy](strategies) picks. See `docs/architecture.md` for the life of a request.
 
+pub mod access_log;
 pub mod admin;
 pub mod backend;
 pub mod balancer;
 pub mod body;
 pub mod cidr;
 pub mod config;
+pub mod discovery;
 pub mod h1;
 pub mod metrics;
 pub mod pool;

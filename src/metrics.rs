@@ -59,6 +59,10 @@ pub mod names {
     /// Histogram: seconds queued requests spent waiting in the router queue (requests that went
     /// straight out are not recorded).
     pub const QUEUE_WAIT: &str = "custom_router_queue_wait_seconds";
+    /// Counter: failed DNS lookups of configured backend names.
+    pub const DNS_LOOKUP_FAILURES: &str = "custom_router_dns_lookup_failures";
+    /// Counter: configuration reloads, by `result` (`ok`, `error`).
+    pub const CONFIG_RELOADS: &str = "custom_router_config_reloads";
 }
 
 /// Why an attempt was sent again.
@@ -126,6 +130,10 @@ pub struct Metrics {
     pub time_to_first_byte: Histogram<f64>,
     /// Time spent in the router queue.
     pub queue_wait: Histogram<f64>,
+    /// DNS lookups of configured backend names that failed.
+    pub dns_lookup_failures: Counter<u64>,
+    /// Configuration reloads (SIGHUP), by result.
+    config_reloads: Counter<u64>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -227,9 +235,30 @@ impl Metrics {
                 names::QUEUE_WAIT,
                 "Seconds queued requests waited in the router queue (requests dispatched at once are not recorded)",
             ),
+            dns_lookup_failures: counter(
+                names::DNS_LOOKUP_FAILURES,
+                "DNS lookups of configured backend names that failed (the last good addresses were kept)",
+            ),
+            config_reloads: {
+                let reloads = meter
+                    .u64_counter(names::CONFIG_RELOADS)
+                    .with_description("Configuration reloads on SIGHUP, by result")
+                    .build();
+                for result in ["ok", "error"] {
+                    reloads.add(0, &[KeyValue::new("result", result)]);
+                }
+                reloads
+            },
             registry,
             provider,
         })
+    }
+
+    /// Counts one configuration reload.
+    pub fn count_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.config_reloads
+            .add(1, &[KeyValue::new("result", result)]);
     }
 
     /// Counts one retry.

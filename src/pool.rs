@@ -66,7 +66,7 @@ impl IdleConnections {
     /// Puts back a connection whose last exchange ended cleanly (at `since`), unless the
     /// backend already sent something more on it.
     pub fn put(&self, connection: Connection, since: Instant) {
-        if !connection.looks_clean() {
+        if !connection.is_clean() {
             return;
         }
         let mut stack = self.lock();
@@ -81,7 +81,8 @@ impl IdleConnections {
     pub fn reap(&self, timeout: Duration) {
         let now = Instant::now();
         self.lock().retain(|idle| {
-            now.saturating_duration_since(idle.since) < timeout && idle.connection.is_clean()
+            now.saturating_duration_since(idle.since) < timeout
+                && idle.connection.kernel_says_clean()
         });
     }
 
@@ -100,7 +101,7 @@ impl IdleConnections {
                 }
                 idle
             };
-            // Checked outside the lock: one system call.
+            // Checked outside the lock (it may make a system call).
             if idle.connection.is_clean() {
                 return Some(idle.connection);
             }

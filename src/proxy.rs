@@ -26,6 +26,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
 
+use crate::access_log::{self, AccessLog};
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{
@@ -305,6 +306,8 @@ pub struct ProxyPolicy {
     pub upstream_idle_timeout: Option<Duration>,
     /// Whether responses carry `x-custom-router-backend` and `x-custom-router-queue-ms`.
     pub decision_headers: bool,
+    /// Where finished requests are logged, when the access log is on.
+    pub access_log: Option<AccessLog>,
 }
 
 /// A request prepared once for all its attempts: hop-by-hop headers removed, `Host` kept,
@@ -633,14 +636,24 @@ pub async fn proxy(
     fields: Option<FieldLines>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
+    let mut log = policy
+        .access_log
+        .as_ref()
+        .map(|log| start_log(log, &request, fields.as_ref()));
     if request.method() == Method::CONNECT {
-        return response::connect_not_allowed();
+        return logged(log, response::connect_not_allowed(), "connect_not_allowed");
     }
     let (parts, body) = request.into_parts();
     let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
         Ok(body) => body,
-        Err(error) => return response::body_failure(BodyFailure::of(&error)),
+        Err(error) => {
+            let failure = BodyFailure::of(&error);
+            return logged(log, response::body_failure(failure), failure.as_str());
+        }
     };
+    if let Some(log) = log.as_mut() {
+        log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
+    }
     let info = RequestInfo {
         method: parts.method.clone(),
         key: balancer.strategy().request_key(&RequestView {
@@ -684,15 +697,24 @@ pub async fn proxy(
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 return match &last_failure {
-                    Some((kind, backend)) => failure_response(*kind, backend.addr()),
+                    Some((kind, backend)) => {
+                        logged(log, failure_response(*kind, backend.addr()), kind.as_str())
+                    }
                     None => {
                         balancer.metrics().rejected.add(1, &[]);
-                        response::rejection(Rejection::Busy)
+                        let reason = response::reason(Rejection::Busy);
+                        logged(log, response::rejection(Rejection::Busy), reason)
                     }
                 };
             }
-            Err(rejection) => return response::rejection(rejection),
+            Err(rejection) => {
+                let reason = response::reason(rejection);
+                return logged(log, response::rejection(rejection), reason);
+            }
         };
+        if let Some(log) = log.as_mut() {
+            log.attempt(lease.backend().addr().as_str(), lease.dispatched_at());
+        }
         if let Some(reason) = retry_reason.take() {
             balancer.metrics().count_retry(reason);
         }
@@ -702,7 +724,8 @@ pub async fn proxy(
             arrived.map(|arrived| lease.dispatched_at().saturating_duration_since(arrived));
         let last = !retriable || number == policy.max_attempts;
         let Some(upstream_body) = body.for_attempt() else {
-            return response::error(StatusCode::BAD_GATEWAY, "request body already sent");
+            let answer = response::error(StatusCode::BAD_GATEWAY, "request body already sent");
+            return logged(log, answer, "body_already_sent");
         };
         tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
         let reason = match attempt(
@@ -720,9 +743,14 @@ pub async fn proxy(
                 if let Some(queued) = queued {
                     add_decision_headers(&mut response, backend.addr(), queued);
                 }
+                if let Either::Left(observed) = response.body_mut() {
+                    observed.set_access_log(log);
+                }
                 return response;
             }
-            Attempt::RequestBody(failure) => return response::body_failure(failure),
+            Attempt::RequestBody(failure) => {
+                return logged(log, response::body_failure(failure), failure.as_str());
+            }
             Attempt::Busy => {
                 last_failure = None;
                 RetryReason::Busy
@@ -730,11 +758,11 @@ pub async fn proxy(
             Attempt::Failed(kind) => {
                 let safe = kind.before_request_sent() || idempotent;
                 if last || !safe {
-                    return failure_response(kind, backend.addr());
+                    return logged(log, failure_response(kind, backend.addr()), kind.as_str());
                 }
                 if !balancer.retry_budget().try_withdraw() {
                     balancer.metrics().retry_budget_exhausted.add(1, &[]);
-                    return failure_response(kind, backend.addr());
+                    return logged(log, failure_response(kind, backend.addr()), kind.as_str());
                 }
                 last_failure = Some((kind, Arc::clone(&backend)));
                 if kind.before_request_sent() {
@@ -748,7 +776,49 @@ pub async fn proxy(
         tried.push(backend);
     }
     // The loop returns on its last attempt.
-    response::error(StatusCode::BAD_GATEWAY, "no attempt left")
+    logged(
+        log,
+        response::error(StatusCode::BAD_GATEWAY, "no attempt left"),
+        "no_attempt_left",
+    )
+}
+
+/// The access log record of a request that arrived now.
+fn start_log(
+    log: &AccessLog,
+    request: &Request<ClientBody>,
+    fields: Option<&FieldLines>,
+) -> Box<access_log::Pending> {
+    let view = match fields {
+        Some(lines) => Fields::Lines(lines),
+        None => Fields::Map(request.headers()),
+    };
+    let trace_id = view.get("traceparent").and_then(access_log::trace_id_of);
+    let path = request
+        .uri()
+        .path_and_query()
+        .map_or("/", |path| path.as_str());
+    Box::new(access_log::Pending::new(
+        log,
+        request.method(),
+        path,
+        trace_id,
+    ))
+}
+
+/// Writes the access log record of an answer the router wrote itself, for `reason`.
+fn logged(
+    log: Option<Box<access_log::Pending>>,
+    answer: Response<ResponseBody>,
+    reason: &'static str,
+) -> Response<ResponseBody> {
+    if let Some(log) = log {
+        let bytes = http_body::Body::size_hint(answer.body())
+            .exact()
+            .unwrap_or(0);
+        log.finish(answer.status().as_u16(), bytes, Some(reason));
+    }
+    answer
 }
 
 fn classify(error: &hyper_util::client::legacy::Error) -> Failure {

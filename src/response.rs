@@ -66,7 +66,8 @@ pub fn rejection(rejection: Rejection) -> Response<ResponseBody> {
     response
 }
 
-fn reason(rejection: Rejection) -> &'static str {
+/// The `reason` field of a rejection's answer.
+pub fn reason(rejection: Rejection) -> &'static str {
     match rejection {
         Rejection::NoBackend => "no_backend",
         Rejection::Evicted => "evicted",

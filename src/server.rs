@@ -16,6 +16,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
+use crate::access_log::AccessLog;
 use crate::admin::{self, AdminPolicy};
 use crate::balancer::Balancer;
 use crate::body::{ClientBody, ResponseBody};
@@ -89,6 +90,11 @@ impl Router {
 
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = Balancer::new(&settings)?;
+        // Fixed backends are there from the start; DNS names join once `serve` resolves them.
+        let discovery = settings.discovery();
+        if !discovery.is_empty() {
+            balancer.set_backends(discovery.addrs());
+        }
         let config = &settings.config;
         let policy = ProxyPolicy {
             max_attempts: config.max_attempts,
@@ -96,6 +102,7 @@ impl Router {
             buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
             first_byte_timeout: Settings::optional(config.first_byte_timeout),
             upstream_idle_timeout: Settings::optional(config.upstream_idle_timeout),
+            access_log: config.access_log.then(AccessLog::to_stdout),
             decision_headers: config.decision_headers,
         };
         Ok(Self {
@@ -161,7 +168,14 @@ impl Router {
             settings.state_log_interval(),
         ));
         let reaper = tokio::spawn(reap_idle_connections(Arc::clone(&shared.balancer)));
+        let discovery = settings.discovery();
+        let discovery = discovery
+            .has_dns()
+            .then(|| tokio::spawn(discovery.run(Arc::clone(&shared.balancer))));
         acceptor.accept_until(shutdown).await;
+        if let Some(discovery) = discovery {
+            discovery.abort();
+        }
         shared.balancer.start_draining();
         tracing::info!(
             pre_drain_delay_s = config.pre_drain_delay,

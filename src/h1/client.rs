@@ -80,11 +80,27 @@ impl Connection {
 
     /// Whether the idle connection may carry a request: the backend sent nothing since its last
     /// response ended, not a byte and not the end of the stream. Anything it sent now would be
-    /// read as the answer to the next request, so a connection with unread input is closed:
-    /// what hyper's client ("unexpected message on idle connection") and nginx's keepalive
-    /// close handler do. One non-blocking `recv` with `MSG_PEEK` asks the kernel itself, not the
-    /// runtime's readiness, which may not have seen a segment that just arrived.
+    /// read as the answer to the next request, so a connection with unread input is closed.
+    ///
+    /// Like hyper's client ("unexpected message on idle connection") and nginx's keepalive
+    /// close handler, this reads the runtime's readiness for the socket, which the reactor sets
+    /// when a segment arrives: when it says nothing came since the last read, no system call is
+    /// made. When it says the socket is readable, one non-blocking `recv` with `MSG_PEEK` asks
+    /// the kernel whether that is a byte or the end of the stream (or stale readiness).
     pub fn is_clean(&self) -> bool {
+        if !self.read.is_empty() {
+            return false;
+        }
+        let mut context = Context::from_waker(std::task::Waker::noop());
+        match self.stream.poll_read_ready(&mut context) {
+            Poll::Pending => true,
+            Poll::Ready(_) => self.kernel_says_clean(),
+        }
+    }
+
+    /// [`Connection::is_clean`] asking the kernel whatever the runtime's readiness says (the
+    /// periodic reap of idle connections).
+    pub fn kernel_says_clean(&self) -> bool {
         if !self.read.is_empty() {
             return false;
         }
@@ -93,20 +109,6 @@ impl Connection {
             Err(error) => error.kind() == io::ErrorKind::WouldBlock,
             // A byte, or the end of the stream.
             Ok(_) => false,
-        }
-    }
-
-    /// [`Connection::is_clean`], asking the kernel only when the runtime saw the socket become
-    /// readable since the last read (the check when a connection goes back to the pool, right
-    /// after its response ended: bytes that came with the response are in the read buffer).
-    pub fn looks_clean(&self) -> bool {
-        if !self.read.is_empty() {
-            return false;
-        }
-        let mut context = Context::from_waker(std::task::Waker::noop());
-        match self.stream.poll_read_ready(&mut context) {
-            Poll::Pending => true,
-            Poll::Ready(_) => self.is_clean(),
         }
     }
 

@@ -874,16 +874,9 @@ fn append_date(out: &mut Vec<u8>) {
     out.extend_from_slice(&text);
 }
 
-/// `Sun, 06 Nov 1994 08:49:37 GMT` for `seconds` since the Unix epoch.
-fn http_date(seconds: u64) -> [u8; 29] {
-    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
-    const MONTHS: [&[u8; 3]; 12] = [
-        b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov",
-        b"Dec",
-    ];
-    let days = seconds / 86_400;
-    let second_of_day = seconds % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+/// Year, month (1–12) and day of the month of the day `days` after 1970-01-01 (Howard
+/// Hinnant's algorithm).
+pub fn civil_date(days: u64) -> (i64, i64, i64) {
     let z = days as i64 + 719_468;
     let era = z.div_euclid(146_097);
     let day_of_era = z.rem_euclid(146_097);
@@ -897,7 +890,19 @@ fn http_date(seconds: u64) -> [u8; 29] {
     } else {
         shifted_month - 9
     };
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    (year_of_era + era * 400 + i64::from(month <= 2), month, day)
+}
+
+/// `Sun, 06 Nov 1994 08:49:37 GMT` for `seconds` since the Unix epoch.
+fn http_date(seconds: u64) -> [u8; 29] {
+    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
+    const MONTHS: [&[u8; 3]; 12] = [
+        b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov",
+        b"Dec",
+    ];
+    let days = seconds / 86_400;
+    let second_of_day = seconds % 86_400;
+    let (year, month, day) = civil_date(days);
     let mut text = [0u8; 29];
     let two = |value: u64| [b'0' + (value / 10) as u8, b'0' + (value % 10) as u8];
     text[..3].copy_from_slice(DAYS[(days % 7) as usize]);

@@ -419,6 +419,8 @@ pub struct ChildRouter {
     pub addr: SocketAddr,
     /// Every log line so far.
     pub log: Arc<Mutex<Vec<String>>>,
+    /// Every line written to stdout so far (the access log).
+    pub out: Arc<Mutex<Vec<String>>>,
 }
 
 impl ChildRouter {
@@ -480,11 +482,20 @@ pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
     ];
     all.extend_from_slice(env);
     let mut child = router_command(&all)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("router binary starts");
     let stderr = child.stderr.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let out_lines = Arc::clone(&out);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            out_lines.lock().unwrap().push(line);
+        }
+    });
     let log = Arc::new(Mutex::new(Vec::new()));
     let (port_sender, port_receiver) = std::sync::mpsc::channel();
     let lines = Arc::clone(&log);
@@ -510,6 +521,21 @@ pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
         child,
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
         log,
+        out,
+    }
+}
+
+/// Polls `condition` until it holds or `deadline` passes; returns whether it held.
+pub async fn eventually(deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -1,0 +1,240 @@
+//! The access log: one JSON line per finished request on stdout (`access_log`,
+//! `CUSTOM_ROUTER_ACCESS_LOG`; off by default).
+//!
+//! A request's record is filled as it goes (arrival, attempts, the backend, the queue wait) and
+//! sent when the response has ended: at the end of a proxied body (or when the client left or
+//! the body failed), at once for an answer the router wrote itself. Records go through a bounded
+//! channel to one writer thread, which serializes them and writes to stdout; nothing on the
+//! request path waits for stdout or holds a lock across I/O. When the channel is full (stdout
+//! cannot keep up) a record is dropped and counted, never waited for.
+//!
+//! A line:
+//!
+//! ```json
+//! {"time":"2026-12-01T10:00:00.123Z","method":"POST","path":"/v1/chat/completions","status":200,
+//!  "backend":"10.0.0.2:8000","attempts":1,"queue_ms":0.0,"ttfb_ms":412.7,"duration_ms":9120.3,
+//!  "bytes_in":1234,"bytes_out":20480,"reason":null,"trace_id":null}
+//! ```
+//!
+//! `time` is when the request arrived; `queue_ms` from arrival to the last attempt's dispatch;
+//! `ttfb_ms` from arrival to the response body's first byte; `duration_ms` from arrival to the
+//! response's end; `reason` the refusal reason of a 503 the router wrote (`no_backend`,
+//! `overloaded`, ...) or the failure kind of a 502/504; `trace_id` the W3C trace id when the
+//! request carried a `traceparent` or traces are on.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Records waiting for the writer; past this, records are dropped (and counted).
+const QUEUE: usize = 4096;
+
+/// Where records go. Cloning is cheap.
+#[derive(Debug, Clone)]
+pub struct AccessLog {
+    sender: mpsc::Sender<Record>,
+    dropped: Arc<AtomicU64>,
+}
+
+/// One finished request.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    /// When the request arrived (RFC 3339, UTC, milliseconds).
+    pub time: String,
+    /// The method.
+    pub method: String,
+    /// The path and query.
+    pub path: String,
+    /// The status the client got.
+    pub status: u16,
+    /// The backend of the last attempt.
+    pub backend: Option<String>,
+    /// Attempts sent to backends.
+    pub attempts: u32,
+    /// Milliseconds from arrival to the last attempt's dispatch.
+    pub queue_ms: Option<f64>,
+    /// Milliseconds from arrival to the response body's first byte.
+    pub ttfb_ms: Option<f64>,
+    /// Milliseconds from arrival to the end of the response.
+    pub duration_ms: f64,
+    /// Request body bytes, when known.
+    pub bytes_in: Option<u64>,
+    /// Response body bytes relayed.
+    pub bytes_out: u64,
+    /// Why the router answered itself, if it did.
+    pub reason: Option<&'static str>,
+    /// The W3C trace id.
+    pub trace_id: Option<String>,
+}
+
+impl AccessLog {
+    /// Starts the writer thread, writing to stdout.
+    pub fn to_stdout() -> Self {
+        Self::start(std::io::stdout())
+    }
+
+    /// Starts the writer thread writing lines to `out`. It ends when every [`AccessLog`] is gone
+    /// (or `out` fails), after writing what it received.
+    pub fn start<W: Write + Send + 'static>(out: W) -> Self {
+        let (sender, mut receiver) = mpsc::channel::<Record>(QUEUE);
+        let dropped = Arc::new(AtomicU64::new(0));
+        let seen_dropped = Arc::clone(&dropped);
+        // A thread of its own: writing to stdout may block, and no request waits for it.
+        let spawned = std::thread::Builder::new()
+            .name("access-log".into())
+            .spawn(move || {
+                let mut out = std::io::BufWriter::new(out);
+                let mut reported = 0;
+                while let Some(record) = receiver.blocking_recv() {
+                    let mut next = Some(record);
+                    while let Some(record) = next {
+                        if serde_json::to_writer(&mut out, &record).is_err()
+                            || out.write_all(b"\n").is_err()
+                        {
+                            return;
+                        }
+                        next = receiver.try_recv().ok();
+                    }
+                    if out.flush().is_err() {
+                        return;
+                    }
+                    let now = seen_dropped.load(Ordering::Relaxed);
+                    if now > reported {
+                        tracing::warn!(
+                            dropped = now - reported,
+                            "access log records dropped: stdout is too slow"
+                        );
+                        reported = now;
+                    }
+                }
+            });
+        if let Err(error) = spawned {
+            tracing::error!(%error, "cannot start the access log writer");
+        }
+        Self { sender, dropped }
+    }
+
+    /// Sends `record` to the writer, or drops it when the writer is behind.
+    pub fn emit(&self, record: Record) {
+        if self.sender.try_send(record).is_err() {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What is known of a request before its response ends.
+#[derive(Debug)]
+pub struct Pending {
+    log: AccessLog,
+    arrived: Instant,
+    record: Record,
+}
+
+impl Pending {
+    /// A request that arrived now.
+    pub fn new(
+        log: &AccessLog,
+        method: &http::Method,
+        path: &str,
+        trace_id: Option<String>,
+    ) -> Self {
+        Self {
+            log: log.clone(),
+            arrived: Instant::now(),
+            record: Record {
+                time: rfc3339_now(),
+                method: method.as_str().to_owned(),
+                path: path.to_owned(),
+                status: 0,
+                backend: None,
+                attempts: 0,
+                queue_ms: None,
+                ttfb_ms: None,
+                duration_ms: 0.0,
+                bytes_in: None,
+                bytes_out: 0,
+                reason: None,
+                trace_id,
+            },
+        }
+    }
+
+    /// An attempt to `backend` was dispatched at `dispatched_at`.
+    pub fn attempt(&mut self, backend: &str, dispatched_at: Instant) {
+        self.record.attempts += 1;
+        self.record.backend = Some(backend.to_owned());
+        self.record.queue_ms = Some(millis(
+            dispatched_at.saturating_duration_since(self.arrived),
+        ));
+    }
+
+    /// The request body's length.
+    pub fn bytes_in(&mut self, bytes: Option<u64>) {
+        self.record.bytes_in = bytes;
+    }
+
+    /// The response body's first byte came now.
+    pub fn first_byte(&mut self) {
+        if self.record.ttfb_ms.is_none() {
+            self.record.ttfb_ms = Some(millis(self.arrived.elapsed()));
+        }
+    }
+
+    /// The response ended now: writes the record.
+    pub fn finish(mut self, status: u16, bytes_out: u64, reason: Option<&'static str>) {
+        self.record.status = status;
+        self.record.bytes_out = bytes_out;
+        self.record.reason = reason;
+        self.record.duration_ms = millis(self.arrived.elapsed());
+        self.log.emit(self.record);
+    }
+}
+
+/// The trace id of a W3C `traceparent` value (`00-<32 hex>-<16 hex>-<2 hex>`), unless it is
+/// malformed or all zeros.
+pub fn trace_id_of(traceparent: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(traceparent).ok()?.trim();
+    let mut parts = text.split('-');
+    let (version, trace, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |part: &str, len: usize| {
+        part.len() == len
+            && part
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let valid = hex(version, 2)
+        && version != "ff"
+        && hex(trace, 32)
+        && hex(parent, 16)
+        && hex(flags, 2)
+        && trace.bytes().any(|b| b != b'0')
+        && parent.bytes().any(|b| b != b'0');
+    valid.then(|| trace.to_owned())
+}
+
+fn millis(duration: Duration) -> f64 {
+    (duration.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// The current time as `2026-12-01T10:00:00.123Z`.
+fn rfc3339_now() -> String {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let seconds = since.as_secs();
+    let (year, month, day) = crate::h1::server::civil_date(seconds / 86_400);
+    let of_day = seconds % 86_400;
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        of_day / 3600,
+        of_day / 60 % 60,
+        of_day % 60,
+        since.subsec_millis()
+    )
+}

@@ -1,0 +1,160 @@
+//! Running without the platform: backends from the configuration (fixed and `dns://`), the
+//! access log, and configuration reload on SIGHUP — each through the router binary as a child
+//! process, over loopback sockets.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use serde_json::Value;
+
+const PATIENCE: Duration = Duration::from_secs(10);
+
+async fn health_addrs(router: &ChildRouter) -> Vec<String> {
+    let (_, health) = get_json(&format!("http://{}/_custom_router/health", router.addr)).await;
+    health["backends"]
+        .as_array()
+        .map(|backends| {
+            backends
+                .iter()
+                .filter_map(|b| b["addr"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn fixed_backends_from_the_environment_serve_from_the_start() {
+    let backend = named_backend("static").await;
+    let router = spawn_router_process(&[
+        (
+            "CUSTOM_ROUTER_BACKENDS",
+            &format!(" {} ,", backend.host_port()),
+        ),
+        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
+    ]);
+    assert_eq!(health_addrs(&router).await, [backend.host_port()]);
+    let (status, body) = get(&format!("http://{}/v1/models", router.addr)).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "static"));
+    // set-backends still replaces the whole set.
+    set_backends(router.addr, &[]).await;
+    assert!(health_addrs(&router).await.is_empty());
+}
+
+#[test]
+fn a_bad_backend_entry_exits_2_naming_it() {
+    for (value, named) in [
+        ("127.0.0.1:1,10.0.0.1", "backends[1]"),
+        ("dns://replicas", "backends[0]"),
+        ("ftp://a:1", "backends[0]"),
+    ] {
+        let output = router_command(&[("CUSTOM_ROUTER_BACKENDS", value)])
+            .output()
+            .expect("router binary runs");
+        assert_eq!(output.status.code(), Some(2), "{value}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains("CUSTOM_ROUTER_BACKENDS") && stderr.contains(named),
+            "{value}: {stderr}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_dns_name_is_followed_until_set_backends_takes_over() {
+    let backend = named_backend("resolved").await;
+    let port = backend.addr.port();
+    let router = spawn_router_process(&[
+        ("CUSTOM_ROUTER_BACKENDS", &format!("dns://localhost:{port}")),
+        ("CUSTOM_ROUTER_DNS_REFRESH", "0.1"),
+        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
+    ]);
+    let expected = format!("127.0.0.1:{port}");
+    assert!(
+        eventually(PATIENCE, async || health_addrs(&router)
+            .await
+            .contains(&expected))
+        .await,
+        "localhost's address joins the set"
+    );
+    // Every address localhost has (::1 may refuse: connect failures are retried elsewhere).
+    for _ in 0..4 {
+        let (status, body) = get(&format!("http://{}/", router.addr)).await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "resolved"));
+    }
+    set_backends(router.addr, &[]).await;
+    assert!(
+        eventually(PATIENCE, async || router
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.contains("DNS discovery stops")))
+        .await
+    );
+    assert!(
+        health_addrs(&router).await.is_empty(),
+        "discovery no longer sets backends"
+    );
+}
+
+#[tokio::test]
+async fn the_access_log_has_one_json_line_per_finished_request() {
+    let backend = named_backend("logged").await;
+    let router = spawn_router_process(&[
+        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
+        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
+        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
+    ]);
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let request = http::Request::post(format!("http://{}/v1/chat?x=1", router.addr))
+        .header("traceparent", traceparent)
+        .body(full("{\"prompt\":\"hi\"}"))
+        .unwrap();
+    let (status, _, body) = send(request).await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"logged"[..]));
+    // A request the router answers itself.
+    set_backends(router.addr, &[]).await;
+    let (status, _) = get(&format!("http://{}/none", router.addr)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let lines = || router.out.lock().unwrap().clone();
+    assert!(
+        eventually(PATIENCE, async || lines().len() >= 2).await,
+        "{:?}",
+        lines()
+    );
+    let lines: Vec<Value> = lines()
+        .iter()
+        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
+        .collect();
+    assert_eq!(lines.len(), 2, "one line per request: {lines:?}");
+    let proxied = &lines[0];
+    assert_eq!(proxied["method"], "POST");
+    assert_eq!(proxied["path"], "/v1/chat?x=1");
+    assert_eq!(proxied["status"], 200);
+    assert_eq!(proxied["backend"], backend.host_port());
+    assert_eq!(proxied["attempts"], 1);
+    assert_eq!(proxied["bytes_in"], 15);
+    assert_eq!(proxied["bytes_out"], 6);
+    assert_eq!(proxied["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert!(proxied["reason"].is_null());
+    for field in ["queue_ms", "ttfb_ms", "duration_ms"] {
+        assert!(
+            proxied[field].as_f64().is_some_and(|ms| ms >= 0.0),
+            "{field}: {proxied}"
+        );
+    }
+    assert!(
+        proxied["time"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z') && t.len() == 24)
+    );
+    let refused = &lines[1];
+    assert_eq!(refused["status"], 503);
+    assert_eq!(refused["reason"], "no_backend");
+    assert_eq!(refused["attempts"], 0);
+    assert!(refused["backend"].is_null());
+}

@@ -64,10 +64,7 @@ fn the_block_scalar_extraction_keeps_the_whole_block() {
     assert_eq!(block_scalar(yaml, "missing"), None);
 }
 
-// Ignored until `main` accepts the `backends` and `dns_refresh` keys the ConfigMap uses (they
-// are being added to src/config.rs); then remove the attribute.
 #[test]
-#[ignore = "needs the `backends` and `dns_refresh` configuration keys"]
 fn the_configmap_holds_a_valid_router_config() {
     let path = std::env::temp_dir().join(format!(
         "custom-router-deploy-configmap-{}.toml",
@@ -130,10 +127,7 @@ fn the_deployment_reads_the_mounted_config_and_probes_health() {
     );
 }
 
-// Ignored until `main` knows CUSTOM_ROUTER_ACCESS_LOG, which the Deployment sets (it is being
-// added to src/config.rs); then remove the attribute.
 #[test]
-#[ignore = "needs the CUSTOM_ROUTER_ACCESS_LOG variable"]
 fn the_deployment_sets_only_known_variables() {
     let deployment = read("deploy/kubernetes/deployment.yaml");
     for line in deployment.lines() {

@@ -6,9 +6,10 @@
 //! cargo run --release --example demo -- --strategy round-robin --seconds 30 --load 0.8
 //! ```
 //!
-//! Every second it prints, per replica: requests in flight and the EWMA latency (from
+//! Every second it shows, per replica: requests in flight and the EWMA latency (from
 //! `GET /_custom_router/health`), and the share of answers so far (from the `x-sim-replica`
-//! header). Everything listens on 127.0.0.1 only; the demo stops by itself.
+//! header). On a terminal the table is redrawn in place; otherwise (a pipe, a file) a new table
+//! is printed every second. Everything listens on 127.0.0.1 only; the demo stops by itself.
 
 #[path = "../benches/lab/load.rs"]
 mod load;
@@ -16,7 +17,8 @@ mod load;
 mod sim;
 
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -107,12 +109,13 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let started = tokio::time::Instant::now();
     let give_up = started + traffic.duration + DRAIN_LIMIT;
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    let mut live = LiveTable::new();
     let records = loop {
         tokio::select! {
             finished = &mut traffic_task => break finished?,
             _ = ticker.tick() => {
                 let health = health(router_addr).await.unwrap_or(Value::Null);
-                print_table(started.elapsed(), &health, &names, &progress, sent);
+                live.show(&table(started.elapsed(), &health, &names, &progress, sent));
             }
             _ = tokio::time::sleep_until(give_up) => {
                 traffic_task.abort();
@@ -121,7 +124,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let health = health(router_addr).await.unwrap_or(Value::Null);
-    print_table(started.elapsed(), &health, &names, &progress, sent);
+    live.show(&table(started.elapsed(), &health, &names, &progress, sent));
     print_summary(&records);
     let _ = stop_router.send(());
     Ok(())
@@ -188,27 +191,26 @@ async fn health(router: SocketAddr) -> Option<Value> {
     serde_json::from_slice(&body).ok()
 }
 
-fn print_table(
+/// The live table's lines: a status line, a header and one line per replica.
+fn table(
     elapsed: Duration,
     health: &Value,
     names: &BTreeMap<String, String>,
     progress: &load::Progress,
     sent: usize,
-) {
+) -> Vec<String> {
     let finished = progress.finished.load(Ordering::Relaxed);
     let failed = progress.failed.load(Ordering::Relaxed);
     let answered_by = progress.answered_by.lock().expect("progress lock").clone();
     let answered: u64 = answered_by.values().sum();
-    let mut text = String::new();
-    if std::io::stdout().is_terminal() {
-        text.push_str("\x1b[2J\x1b[H");
-    }
-    text.push_str(&format!(
-        "t = {:>4.0} s   finished {finished}/{sent}   failed {failed}   router queue {}\n",
-        elapsed.as_secs_f64(),
-        health["queue_depth"]
-    ));
-    text.push_str("replica      address             in-flight   EWMA s   share of answers\n");
+    let mut lines = vec![
+        format!(
+            "t = {:>4.0} s   finished {finished}/{sent}   failed {failed}   router queue {}",
+            elapsed.as_secs_f64(),
+            health["queue_depth"]
+        ),
+        "replica      address             in-flight   EWMA s   share of answers".to_owned(),
+    ];
     for backend in health["backends"].as_array().into_iter().flatten() {
         let addr = backend["addr"].as_str().unwrap_or("?");
         let name = names.get(addr).map_or("?", String::as_str);
@@ -217,13 +219,63 @@ fn print_table(
             .map_or_else(|| "–".to_owned(), |v| format!("{v:.3}"));
         let share =
             answered_by.get(name).copied().unwrap_or(0) as f64 * 100.0 / answered.max(1) as f64;
-        text.push_str(&format!(
-            "{name:<12} {addr:<19} {:>9}   {ewma:>6}   {share:>5.1} % {}\n",
+        lines.push(format!(
+            "{name:<12} {addr:<19} {:>9}   {ewma:>6}   {share:>5.1} % {}",
             backend["in_flight"].to_string(),
-            "#".repeat((share / 2.5).round() as usize)
+            "#".repeat((share / 4.0).round() as usize)
         ));
     }
-    println!("{text}");
+    lines
+}
+
+/// Shows the live table: on a terminal, redrawn over the previous one; otherwise appended, one
+/// table per call followed by a blank line.
+struct LiveTable {
+    terminal: bool,
+    /// Lines of the table on screen (terminal only).
+    drawn: usize,
+}
+
+impl LiveTable {
+    fn new() -> Self {
+        Self {
+            terminal: std::io::stdout().is_terminal(),
+            drawn: 0,
+        }
+    }
+
+    fn show(&mut self, lines: &[String]) {
+        let mut text = String::new();
+        if self.terminal {
+            // Line wrapping off while drawing (DECAWM), so that a line wider than the terminal is
+            // cut instead of taking two rows and throwing off the count of rows to go back up.
+            text.push_str("\x1b[?7l");
+            if self.drawn > 0 {
+                // Cursor up to the first row of the previous table.
+                let _ = write!(text, "\x1b[{}A", self.drawn);
+            }
+            for line in lines {
+                // Back to column 1, clear the row, write the new line.
+                let _ = writeln!(text, "\r\x1b[2K{line}");
+            }
+            // Rows of a longer previous table are cleared, and the cursor returns below the table.
+            let stale = self.drawn.saturating_sub(lines.len());
+            if stale > 0 {
+                text.push_str(&"\x1b[2K\n".repeat(stale));
+                let _ = write!(text, "\x1b[{stale}A");
+            }
+            text.push_str("\x1b[?7h");
+            self.drawn = lines.len();
+        } else {
+            for line in lines {
+                let _ = writeln!(text, "{line}");
+            }
+            text.push('\n');
+        }
+        let mut stdout = std::io::stdout().lock();
+        let _ = stdout.write_all(text.as_bytes());
+        let _ = stdout.flush();
+    }
 }
 
 fn print_summary(records: &[load::Record]) {

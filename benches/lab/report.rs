@@ -502,7 +502,8 @@ const COLOURS: [RGBColor; 8] = [
 ];
 
 /// The latency CDF of every peer of `scenario`: the whole distribution on the left, the tail
-/// (fractions 0.9 to 1) on the right. The x axes end at the largest p99.9 (p99 for overhead).
+/// (fractions 0.9 to 1) on the right. The x axes are logarithmic; they start just below the
+/// smallest latency and end at the largest p99.9 (p99 for overhead).
 pub fn write_cdf_svg(scenario: &ScenarioReport, path: &Path) -> Result<(), LabError> {
     let overhead = !scenario.concurrencies.is_empty();
     let (scale, unit) = if overhead { (1e6, "µs") } else { (1.0, "s") };
@@ -519,13 +520,30 @@ pub fn write_cdf_svg(scenario: &ScenarioReport, path: &Path) -> Result<(), LabEr
         x if x > 0.0 => x * 1.05,
         _ => 1.0,
     };
+    // A logarithmic axis needs a start above 0: just below the smallest positive latency.
+    let smallest = scenario
+        .peers
+        .iter()
+        .filter_map(|peer| peer.latencies.iter().copied().find(|&x| x > 0.0))
+        .fold(f64::INFINITY, f64::min)
+        * scale;
+    let x_min = if smallest.is_finite() && smallest < x_max {
+        smallest * 0.95
+    } else {
+        x_max / 1000.0
+    };
     let tail_start = scenario
         .peers
         .iter()
         .filter_map(|peer| percentile(&peer.latencies, 0.9))
         .fold(f64::INFINITY, f64::min)
-        * scale;
-    let tail_start = if tail_start < x_max { tail_start } else { 0.0 };
+        * scale
+        * 0.95;
+    let tail_start = if tail_start > x_min && tail_start < x_max {
+        tail_start
+    } else {
+        x_min
+    };
     let what = if overhead {
         "latency at concurrency 1"
     } else {
@@ -539,7 +557,7 @@ pub fn write_cdf_svg(scenario: &ScenarioReport, path: &Path) -> Result<(), LabEr
     plot.draw(
         path,
         &format!("{}: {what}", scenario.name),
-        x_max,
+        x_min..x_max,
         tail_start,
     )
     .map_err(|e| LabError::new(format!("{}: {e}", path.display())))
@@ -557,14 +575,15 @@ impl CdfPlot<'_> {
         &self,
         path: &Path,
         caption: &str,
-        x_max: f64,
+        x_range: std::ops::Range<f64>,
         tail_start: f64,
     ) -> Result<(), Box<dyn std::error::Error>> {
         let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
         root.fill(&WHITE)?;
         let root = root.titled(caption, ("sans-serif", 22))?;
         let (whole, tail) = root.split_horizontally(640);
-        self.panel(&whole, "CDF", 0.0..x_max, 0.0..1.0, true)?;
+        let x_max = x_range.end;
+        self.panel(&whole, "CDF", x_range, 0.0..1.0, true)?;
         self.panel(
             &tail,
             "tail (p90 and above)",
@@ -576,6 +595,7 @@ impl CdfPlot<'_> {
         Ok(())
     }
 
+    /// One panel; `x_range` (above 0) is drawn on a logarithmic axis.
     fn panel(
         &self,
         area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
@@ -590,10 +610,17 @@ impl CdfPlot<'_> {
             .margin(14)
             .x_label_area_size(44)
             .y_label_area_size(56)
-            .build_cartesian_2d(x_range, y_range)?;
+            .build_cartesian_2d(
+                x_range
+                    .clone()
+                    .log_scale()
+                    .with_key_points(log_ticks(&x_range)),
+                y_range,
+            )?;
         chart
             .configure_mesh()
-            .x_desc(format!("latency ({})", self.unit))
+            .x_desc(format!("latency ({}, log scale)", self.unit))
+            .x_label_formatter(&|x| tick_label(*x))
             .y_desc("fraction of requests")
             .draw()?;
         for (index, peer) in self.peers.iter().enumerate() {
@@ -618,6 +645,44 @@ impl CdfPlot<'_> {
                 .draw()?;
         }
         Ok(())
+    }
+}
+
+/// Labelled ticks of a logarithmic axis over `range`: 1, 2 and 5 times the powers of ten inside
+/// it, every multiple 1 to 9 when that gives fewer than four, or its two ends.
+fn log_ticks(range: &std::ops::Range<f64>) -> Vec<f64> {
+    let decades = range.start.log10().floor() as i32..=range.end.log10().ceil() as i32;
+    let ticks = |multiples: &[f64]| -> Vec<f64> {
+        decades
+            .clone()
+            .flat_map(|decade| multiples.iter().map(move |m| m * 10f64.powi(decade)))
+            .filter(|value| (range.start..=range.end).contains(value))
+            .collect()
+    };
+    let coarse = ticks(&[1.0, 2.0, 5.0]);
+    if coarse.len() >= 4 {
+        return coarse;
+    }
+    let fine = ticks(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+    if fine.len() >= 2 {
+        fine
+    } else {
+        vec![range.start, range.end]
+    }
+}
+
+/// A tick value with three significant digits at most and no trailing zeros (`0.005`, `0.25`,
+/// `1.5`, `120`).
+fn tick_label(value: f64) -> String {
+    if !(value.is_finite() && value > 0.0) {
+        return format!("{value}");
+    }
+    let decimals = (2 - value.log10().floor() as i32).clamp(0, 12) as usize;
+    let text = format!("{value:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        text
     }
 }
 

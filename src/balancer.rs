@@ -21,6 +21,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+
 use http::StatusCode;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -121,20 +123,52 @@ struct Tuning {
     slow_start: Option<Duration>,
 }
 
+impl Tuning {
+    fn of(settings: &Settings) -> Self {
+        let config = &settings.config;
+        let seconds = Duration::from_secs_f64;
+        Self {
+            queue_max_size: config.queue_max_size,
+            queue_timeout: settings.queue_timeout(),
+            queue_shed_ratio: config.queue_shed_ratio,
+            ewma_alpha: config.ewma_alpha,
+            latency_threshold: config.latency_threshold,
+            completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
+            consecutive_failures: config.consecutive_failures,
+            ejection_time: seconds(config.ejection_time),
+            max_ejection_time: seconds(config.max_ejection_time),
+            max_ejection_percent: config.max_ejection_percent,
+            health_check_path: config.health_check_path.clone(),
+            health_check_timeout: seconds(config.health_check_timeout),
+            max_busy_pause: seconds(config.max_busy_pause),
+            slow_start: Settings::optional(config.slow_start),
+        }
+    }
+}
+
+fn client_of(settings: &Settings) -> UpstreamClient {
+    proxy::client(
+        settings.connect_timeout(),
+        Settings::optional(settings.config.upstream_idle_timeout),
+        &settings.extra_ca_certs,
+    )
+}
+
 /// Shared routing state. See the module docs.
 pub struct Balancer {
     /// Every backend of the current set (health, metrics).
     backends: Arc<Snapshot>,
     /// The backends strategies pick from: not ejected, not paused (see `availability`).
     eligible: Snapshot,
-    strategy: Arc<dyn Strategy>,
+    /// The strategy in use; replaced by a configuration reload.
+    strategy: ArcSwap<Arc<dyn Strategy>>,
     queue: Mutex<Queue>,
     queue_depth: Arc<AtomicUsize>,
     /// Leases held, on any backend (those of removed backends included).
     leased: AtomicUsize,
-    tuning: Tuning,
+    tuning: ArcSwap<Tuning>,
     metrics: Metrics,
-    client: UpstreamClient,
+    client: ArcSwap<UpstreamClient>,
     retry_budget: RetryBudget,
     draining: AtomicBool,
     panic_mode: AtomicBool,
@@ -145,7 +179,7 @@ pub struct Balancer {
 impl std::fmt::Debug for Balancer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Balancer")
-            .field("strategy", &self.strategy.name())
+            .field("strategy", &self.strategy.load().name())
             .field("queue_depth", &self.queue_depth())
             .finish_non_exhaustive()
     }
@@ -158,36 +192,16 @@ impl Balancer {
         let queue_depth = Arc::new(AtomicUsize::new(0));
         let metrics = Metrics::new(Arc::clone(&backends), Arc::clone(&queue_depth))?;
         let config = &settings.config;
-        let seconds = Duration::from_secs_f64;
         Ok(Arc::new(Self {
             backends,
             eligible: Snapshot::from_pointee(Vec::new()),
-            strategy: Arc::clone(&settings.strategy),
+            strategy: ArcSwap::from_pointee(Arc::clone(&settings.strategy)),
             queue: Mutex::new(Queue::default()),
             queue_depth,
             leased: AtomicUsize::new(0),
-            tuning: Tuning {
-                queue_max_size: config.queue_max_size,
-                queue_timeout: settings.queue_timeout(),
-                queue_shed_ratio: config.queue_shed_ratio,
-                ewma_alpha: config.ewma_alpha,
-                latency_threshold: config.latency_threshold,
-                completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
-                consecutive_failures: config.consecutive_failures,
-                ejection_time: seconds(config.ejection_time),
-                max_ejection_time: seconds(config.max_ejection_time),
-                max_ejection_percent: config.max_ejection_percent,
-                health_check_path: config.health_check_path.clone(),
-                health_check_timeout: seconds(config.health_check_timeout),
-                max_busy_pause: seconds(config.max_busy_pause),
-                slow_start: Settings::optional(config.slow_start),
-            },
+            tuning: ArcSwap::from_pointee(Tuning::of(settings)),
             metrics,
-            client: proxy::client(
-                settings.connect_timeout(),
-                Settings::optional(config.upstream_idle_timeout),
-                &settings.extra_ca_certs,
-            ),
+            client: ArcSwap::from_pointee(client_of(settings)),
             retry_budget: RetryBudget::new(
                 config.retry_budget_percent,
                 config.retry_budget_min_per_second,
@@ -199,8 +213,24 @@ impl Balancer {
     }
 
     /// The pooled client used for every backend.
-    pub fn client(&self) -> &UpstreamClient {
-        &self.client
+    pub fn client(&self) -> Arc<UpstreamClient> {
+        self.client.load_full()
+    }
+
+    /// Applies a reloaded configuration to new requests: the strategy (a new one only when its
+    /// name or parameters changed, so that what it learned is kept otherwise), the queue,
+    /// outcome and availability tunables, and the upstream client's timeouts. Requests in flight
+    /// and queued keep their leases and places; the queue is looked at again at once.
+    pub fn reconfigure(self: &Arc<Self>, settings: &Settings, strategy_changed: bool) {
+        self.tuning.store(Arc::new(Tuning::of(settings)));
+        self.client.store(Arc::new(client_of(settings)));
+        if strategy_changed {
+            let strategy = Arc::clone(&settings.strategy);
+            strategy.on_backends_changed(&self.eligible.load());
+            self.strategy.store(Arc::new(strategy));
+        }
+        let mut queue = self.lock();
+        self.dispatch_locked(&mut queue);
     }
 
     /// The retry budget shared by all requests.
@@ -241,14 +271,14 @@ impl Balancer {
     /// Picks among the eligible backends: the strategy's choice, unless it is slow-starting and
     /// its ramp declines this pick, in which case the strategy chooses among the others.
     fn pick(&self, info: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<Arc<Backend>> {
-        let chosen = Arc::clone(&candidates[self.strategy.pick(info, candidates)?]);
+        let chosen = Arc::clone(&candidates[self.strategy.load().pick(info, candidates)?]);
         if candidates.len() > 1 && !self.ramp_admits(&chosen) {
             let others: Vec<Arc<Backend>> = candidates
                 .iter()
                 .filter(|b| !Arc::ptr_eq(b, &chosen))
                 .cloned()
                 .collect();
-            if let Some(index) = self.strategy.pick(info, &others) {
+            if let Some(index) = self.strategy.load().pick(info, &others) {
                 return Some(Arc::clone(&others[index]));
             }
         }
@@ -261,8 +291,8 @@ impl Balancer {
     }
 
     /// The strategy in use.
-    pub fn strategy(&self) -> &dyn Strategy {
-        &*self.strategy
+    pub fn strategy(&self) -> Arc<dyn Strategy> {
+        Arc::clone(&self.strategy.load())
     }
 
     /// The current backends.
@@ -354,7 +384,7 @@ impl Balancer {
                     return Ok(lease);
                 }
             }
-            if !self.strategy.queues_when_unavailable() {
+            if !self.strategy.load().queues_when_unavailable() {
                 drop(queue);
                 self.metrics.rejected.add(1, &[]);
                 return Err(Rejection::NoBackend);
@@ -375,7 +405,9 @@ impl Balancer {
             reply,
             settled: false,
         };
-        waiting.wait(enqueued_at + self.tuning.queue_timeout).await
+        waiting
+            .wait(enqueued_at + self.tuning.load().queue_timeout)
+            .await
     }
 
     /// Admits a retry on a backend not in `tried`: picked now if the strategy can, else through
@@ -406,7 +438,7 @@ impl Balancer {
             }
             !untried.is_empty()
         };
-        if (untried_exist || requeue) && self.strategy.queues_when_unavailable() {
+        if (untried_exist || requeue) && self.strategy.load().queues_when_unavailable() {
             // Waiting for an untried backend if one exists; else (a busy answer) for any.
             let excluded = if untried_exist {
                 tried.to_vec()
@@ -427,7 +459,7 @@ impl Balancer {
     /// no latency yet (its capacity is unknown, e.g. it was just added) or nothing is in flight
     /// (the queue waits for backends, not for capacity).
     fn overloaded_locked(&self, queue: &Queue) -> Option<u32> {
-        let ratio = self.tuning.queue_shed_ratio;
+        let ratio = self.tuning.load().queue_shed_ratio;
         let queued = queue.waiters.len();
         // Cheap test first: the backends' in-flight counts add up to at most the leases held.
         if ratio <= 0.0
@@ -459,7 +491,7 @@ impl Balancer {
         excluded: Vec<Arc<Backend>>,
         enqueued_at: Instant,
     ) -> (u64, oneshot::Receiver<Result<Lease, Rejection>>) {
-        if queue.waiters.len() >= self.tuning.queue_max_size {
+        if queue.waiters.len() >= self.tuning.load().queue_max_size {
             if let Some(oldest) = queue.waiters.pop_front() {
                 self.metrics.evicted.add(1, &[]);
                 let _ = oldest.reply.send(Err(Rejection::Evicted));
@@ -537,19 +569,19 @@ impl Balancer {
         let measured = latency.as_secs_f64();
         // A failure must never look fast: it counts at least as the latency threshold.
         let sample = if failed {
-            measured.max(self.tuning.latency_threshold)
+            measured.max(self.tuning.load().latency_threshold)
         } else {
             measured
         };
-        backend.record_latency(sample, self.tuning.ewma_alpha);
-        backend.record_completed(self.tuning.completed_cap);
+        backend.record_latency(sample, self.tuning.load().ewma_alpha);
+        backend.record_completed(self.tuning.load().completed_cap);
         if let Some(status) = finish.status {
             backend.record_status(status);
         }
         if let Some(kind) = finish.error {
             backend.record_error(kind);
         }
-        self.strategy.on_outcome(
+        self.strategy.load().on_outcome(
             backend,
             &Outcome {
                 latency: sample,
@@ -731,7 +763,7 @@ impl Lease {
             self.streamed,
         );
         if failed {
-            let threshold = Duration::from_secs_f64(self.balancer.tuning.latency_threshold);
+            let threshold = Duration::from_secs_f64(self.balancer.tuning.load().latency_threshold);
             let penalty = threshold.saturating_sub(latency);
             if let (false, Ok(runtime)) = (penalty.is_zero(), tokio::runtime::Handle::try_current())
             {

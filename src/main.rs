@@ -79,7 +79,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(run(settings))
+    runtime.block_on(run(settings, cli.config))
 }
 
 fn init_logging(format: LogFormat) {
@@ -94,7 +94,7 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(settings: Settings) -> ExitCode {
+async fn run(settings: Settings, config_flag: Option<PathBuf>) -> ExitCode {
     let router = match Router::bind(settings.clone()).await {
         Ok(router) => router,
         Err(error) => {
@@ -102,6 +102,21 @@ async fn run(settings: Settings) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Registered before the router says it listens: a SIGHUP from then on reloads (its default
+    // action would end the process).
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(hangups) => {
+            tokio::spawn(reload_on_hangup(
+                hangups,
+                router.reloader(),
+                std::sync::Arc::clone(router.balancer()),
+                config_flag,
+            ));
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot watch SIGHUP; the configuration cannot be reloaded");
+        }
+    }
     // Serialised through serde so that secrets print redacted.
     let effective = serde_json::to_string(&settings.config).unwrap_or_default();
     tracing::info!(
@@ -114,6 +129,45 @@ async fn run(settings: Settings) -> ExitCode {
     router.serve(shutdown_signal()).await;
     tracing::info!("stopped");
     ExitCode::SUCCESS
+}
+
+/// On each SIGHUP, loads the configuration again (the same file, flag or variable, and the same
+/// environment) and applies it to new requests; an invalid configuration is logged with the error
+/// start-up would print, and the running one kept.
+async fn reload_on_hangup(
+    mut hangups: tokio::signal::unix::Signal,
+    reloader: custom_router::server::Reloader,
+    balancer: std::sync::Arc<custom_router::balancer::Balancer>,
+    config_flag: Option<PathBuf>,
+) {
+    while hangups.recv().await.is_some() {
+        match config::load(config_flag.as_deref()) {
+            Ok(settings) => {
+                let strategy = settings.config.strategy.name.clone();
+                let effective = serde_json::to_string(&settings.config).unwrap_or_default();
+                let needs_restart = reloader.apply(settings);
+                balancer.metrics().count_reload(true);
+                tracing::info!(
+                    strategy,
+                    config = %effective,
+                    "configuration reloaded"
+                );
+                if !needs_restart.is_empty() {
+                    tracing::warn!(
+                        keys = ?needs_restart,
+                        "changed keys that apply only at start were kept; restart to apply them"
+                    );
+                }
+            }
+            Err(error) => {
+                balancer.metrics().count_reload(false);
+                tracing::error!(
+                    error = %format!("configuration error: {error}"),
+                    "configuration reload failed; keeping the running configuration"
+                );
+            }
+        }
+    }
 }
 
 async fn shutdown_signal() {

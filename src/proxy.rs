@@ -631,7 +631,7 @@ fn is_idempotent(method: &Method) -> bool {
 /// more than `max_attempts` in all, and failure retries draw on the shared retry budget.
 pub async fn proxy(
     balancer: &Arc<Balancer>,
-    policy: &ProxyPolicy,
+    policy: Arc<ProxyPolicy>,
     request: Request<ClientBody>,
     fields: Option<FieldLines>,
     client: &ForwardedFor,
@@ -728,8 +728,9 @@ pub async fn proxy(
             return logged(log, answer, "body_already_sent");
         };
         tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
+        let client = balancer.client();
         let reason = match attempt(
-            balancer.client(),
+            &client,
             &mut head,
             upstream_body,
             last,

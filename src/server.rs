@@ -25,6 +25,7 @@ use crate::h1::{self, FieldLines};
 use crate::metrics::MetricsError;
 use crate::pool;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
+use arc_swap::ArcSwap;
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -44,8 +45,95 @@ pub enum StartError {
 
 struct Shared {
     balancer: Arc<Balancer>,
-    policy: ProxyPolicy,
-    admin: AdminPolicy,
+    /// What proxying is held to; replaced by a reload.
+    policy: ArcSwap<ProxyPolicy>,
+    admin: ArcSwap<AdminPolicy>,
+    /// What new HTTP/1 connections are held to; replaced by a reload.
+    limits: ArcSwap<h1::server::Limits>,
+}
+
+fn policy_of(settings: &Settings) -> ProxyPolicy {
+    let config = &settings.config;
+    ProxyPolicy {
+        max_attempts: config.max_attempts,
+        body_limit: config.retry_body_limit,
+        buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
+        first_byte_timeout: Settings::optional(config.first_byte_timeout),
+        upstream_idle_timeout: Settings::optional(config.upstream_idle_timeout),
+        access_log: config.access_log.then(AccessLog::to_stdout),
+        decision_headers: config.decision_headers,
+    }
+}
+
+fn admin_of(settings: &Settings) -> AdminPolicy {
+    AdminPolicy {
+        token: settings.config.admin_token.clone(),
+        allowed_networks: settings.backend_allow_cidrs(),
+    }
+}
+
+fn limits_of(settings: &Settings) -> h1::server::Limits {
+    let config = &settings.config;
+    h1::server::Limits {
+        header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
+        max_header_bytes: config.max_header_bytes,
+        body_read_timeout: Duration::from_secs_f64(config.body_read_timeout),
+        allow_underscore_headers: config.allow_underscore_headers,
+    }
+}
+
+/// Applies a reloaded configuration to a running router (see [`Router::reloader`]).
+pub struct Reloader {
+    shared: Arc<Shared>,
+    running: std::sync::Mutex<Settings>,
+}
+
+impl std::fmt::Debug for Reloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloader").finish_non_exhaustive()
+    }
+}
+
+/// Keys read only at start: a reload that changes them logs that they need a restart.
+const RESTART_KEYS: [&str; 10] = [
+    "host",
+    "port",
+    "backends",
+    "dns_refresh",
+    "max_connections",
+    "worker_threads",
+    "log_format",
+    "tls_ca_file",
+    "retry_budget_percent",
+    "retry_budget_min_per_second",
+];
+
+impl Reloader {
+    /// Applies `settings` to new requests and connections: the strategy and its parameters, the
+    /// queue, retry, ejection and timeout settings, limits, the admin token and networks, the
+    /// access log and decision headers. Requests in flight keep what they started with. Keys
+    /// read only at start ([`RESTART_KEYS`]) are kept, and named in the answer.
+    pub fn apply(&self, settings: Settings) -> Vec<&'static str> {
+        let mut running = self
+            .running
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let old = serde_json::to_value(&running.config).unwrap_or_default();
+        let new = serde_json::to_value(&settings.config).unwrap_or_default();
+        let needs_restart: Vec<&'static str> = RESTART_KEYS
+            .into_iter()
+            .filter(|key| old.get(key) != new.get(key))
+            .collect();
+        let strategy_changed = running.config.strategy != settings.config.strategy;
+        self.shared
+            .balancer
+            .reconfigure(&settings, strategy_changed);
+        self.shared.policy.store(Arc::new(policy_of(&settings)));
+        self.shared.admin.store(Arc::new(admin_of(&settings)));
+        self.shared.limits.store(Arc::new(limits_of(&settings)));
+        *running = settings;
+        needs_restart
+    }
 }
 
 /// A bound router, ready to serve.
@@ -95,24 +183,12 @@ impl Router {
         if !discovery.is_empty() {
             balancer.set_backends(discovery.addrs());
         }
-        let config = &settings.config;
-        let policy = ProxyPolicy {
-            max_attempts: config.max_attempts,
-            body_limit: config.retry_body_limit,
-            buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
-            first_byte_timeout: Settings::optional(config.first_byte_timeout),
-            upstream_idle_timeout: Settings::optional(config.upstream_idle_timeout),
-            access_log: config.access_log.then(AccessLog::to_stdout),
-            decision_headers: config.decision_headers,
-        };
         Ok(Self {
             shared: Arc::new(Shared {
                 balancer,
-                policy,
-                admin: AdminPolicy {
-                    token: config.admin_token.clone(),
-                    allowed_networks: settings.backend_allow_cidrs(),
-                },
+                policy: ArcSwap::from_pointee(policy_of(&settings)),
+                admin: ArcSwap::from_pointee(admin_of(&settings)),
+                limits: ArcSwap::from_pointee(limits_of(&settings)),
             }),
             listener,
             settings,
@@ -124,6 +200,14 @@ impl Router {
         self.listener
             .local_addr()
             .expect("a bound listener has a local address")
+    }
+
+    /// What applies a reloaded configuration to this router while it serves.
+    pub fn reloader(&self) -> Reloader {
+        Reloader {
+            shared: Arc::clone(&self.shared),
+            running: std::sync::Mutex::new(self.settings.clone()),
+        }
     }
 
     /// The balancer, for inspection and for setting backends without HTTP.
@@ -149,12 +233,6 @@ impl Router {
             .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
         let (open, mut all_closed) = mpsc::channel::<()>(1);
         let acceptor = Acceptor {
-            limits: h1::server::Limits {
-                header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
-                max_header_bytes: config.max_header_bytes,
-                body_read_timeout: Duration::from_secs_f64(config.body_read_timeout),
-                allow_underscore_headers: config.allow_underscore_headers,
-            },
             listener,
             builder,
             graceful: GracefulShutdown::new(),
@@ -217,7 +295,6 @@ impl Router {
 struct Acceptor {
     /// What HTTP/1 connections are held to; the header timeout also bounds the wait for a new
     /// connection's first byte.
-    limits: h1::server::Limits,
     listener: TcpListener,
     /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
     builder: auto::Builder<TokioExecutor>,
@@ -259,7 +336,7 @@ impl Acceptor {
         let shared = Arc::clone(&self.shared);
         let client = Arc::new(ForwardedFor::new(peer));
         let builder = self.builder.clone();
-        let limits = self.limits;
+        let limits = **self.shared.limits.load();
         let draining = self.draining.subscribe();
         let open = self.open.clone();
         let watcher = self.graceful.watcher();
@@ -370,15 +447,14 @@ fn route<'a>(
         if let Some(fields) = fields {
             *request.headers_mut() = fields.to_map();
         }
-        Either::Left(Box::pin(admin::handle(
-            &shared.balancer,
-            &shared.admin,
-            request,
-        )))
+        let admin = shared.admin.load_full();
+        Either::Left(Box::pin(async move {
+            admin::handle(&shared.balancer, &admin, request).await
+        }))
     } else {
         Either::Right(proxy::proxy(
             &shared.balancer,
-            &shared.policy,
+            shared.policy.load_full(),
             request,
             fields,
             client,

@@ -158,3 +158,112 @@ async fn the_access_log_has_one_json_line_per_finished_request() {
     assert_eq!(refused["attempts"], 0);
     assert!(refused["backend"].is_null());
 }
+
+fn hangup(router: &ChildRouter) {
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &router.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+}
+
+async fn strategy_of(router: &ChildRouter) -> String {
+    let (_, health) = get_json(&format!("http://{}/_custom_router/health", router.addr)).await;
+    health["strategy"].as_str().unwrap_or_default().to_owned()
+}
+
+async fn reloads(router: &ChildRouter, result: &str) -> u64 {
+    let (_, text) = get(&format!("http://{}/_custom_router/metrics", router.addr)).await;
+    let prefix = format!("custom_router_config_reloads_total{{result=\"{result}\"}} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&prefix)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix} in {text}"))
+}
+
+#[tokio::test]
+async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps_requests_in_flight()
+ {
+    let slow = slow_backend(Duration::from_millis(600)).await;
+    let dir = std::env::temp_dir().join(format!("custom-router-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("router.toml");
+    let write = |text: &str| std::fs::write(&file, text).unwrap();
+    write(&format!(
+        "backends = [\"{}\"]\n[strategy]\nname = \"round-robin\"\n",
+        slow.host_port()
+    ));
+    let router = spawn_router_process(&[("CUSTOM_ROUTER_CONFIG", file.to_str().unwrap())]);
+    assert_eq!(strategy_of(&router).await, "round-robin");
+    // A request in flight across the reload.
+    let url = format!("http://{}/slow", router.addr);
+    let in_flight = tokio::spawn(async move { get(&url).await });
+    assert!(
+        eventually(PATIENCE, async || slow.hits() == 1).await,
+        "the request reached the backend"
+    );
+    write(&format!(
+        "backends = [\"{}\"]\nfirst_byte_timeout = 0.2\nmax_attempts = 1\n\
+         [strategy]\nname = \"queued-least-latency\"\n[strategy.params]\nscore = \"ewma\"\n",
+        slow.host_port()
+    ));
+    hangup(&router);
+    assert!(
+        eventually(PATIENCE, async || strategy_of(&router).await
+            == "queued-least-latency")
+        .await,
+        "the new strategy is in use"
+    );
+    assert_eq!(reloads(&router, "ok").await, 1);
+    let (status, _) = in_flight.await.unwrap();
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the request in flight finished normally"
+    );
+    // The new first-byte timeout holds for a new request.
+    let (status, body) = get(&format!("http://{}/slow", router.addr)).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
+    assert!(
+        router
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.contains("configuration reloaded"))
+    );
+
+    // An invalid file: the same error as at start-up is logged, the running config kept.
+    write("[strategy]\nname = \"no-such-strategy\"\n");
+    hangup(&router);
+    assert!(
+        eventually(PATIENCE, async || reloads(&router, "error").await == 1).await,
+        "the failed reload is counted"
+    );
+    assert_eq!(strategy_of(&router).await, "queued-least-latency");
+    let startup = router_command(&[("CUSTOM_ROUTER_CONFIG", file.to_str().unwrap())])
+        .output()
+        .unwrap();
+    assert_eq!(startup.status.code(), Some(2));
+    let startup_error = String::from_utf8_lossy(&startup.stderr)
+        .trim()
+        .trim_start_matches("custom-router: ")
+        .to_owned();
+    let logged = router
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find(|entry| {
+            entry["message"] == "configuration reload failed; keeping the running configuration"
+        })
+        .expect("a log line for the failed reload");
+    assert_eq!(logged["error"], startup_error.as_str());
+    let (status, _) = get(&format!("http://{}/slow", router.addr)).await;
+    assert_eq!(
+        status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "the running config still applies"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -68,11 +68,13 @@ impl Balancer {
         match verdict {
             Verdict::Healthy => backend.reset_failures_in_a_row(),
             Verdict::Failure => {
-                if backend.record_failure_in_a_row() >= self.tuning.consecutive_failures {
+                if backend.record_failure_in_a_row() >= self.tuning.load().consecutive_failures {
                     self.eject(backend);
                 }
             }
-            Verdict::Busy(pause) => self.pause(backend, pause.min(self.tuning.max_busy_pause)),
+            Verdict::Busy(pause) => {
+                self.pause(backend, pause.min(self.tuning.load().max_busy_pause))
+            }
             Verdict::Neutral => {}
         }
     }
@@ -89,7 +91,7 @@ impl Balancer {
         let all = self.backends.load();
         let ejected = all.iter().filter(|b| b.availability().is_ejected()).count();
         let allowed =
-            (all.len() as f64 * self.tuning.max_ejection_percent / 100.0).floor() as usize;
+            (all.len() as f64 * self.tuning.load().max_ejection_percent / 100.0).floor() as usize;
         let now = Instant::now();
         let until = {
             let mut state = backend.lock_availability();
@@ -98,10 +100,10 @@ impl Balancer {
             }
             let series_over = state
                 .last_ejected_at
-                .is_none_or(|at| now.duration_since(at) > self.tuning.max_ejection_time * 2);
+                .is_none_or(|at| now.duration_since(at) > self.tuning.load().max_ejection_time * 2);
             state.ejections = if series_over { 1 } else { state.ejections + 1 };
-            let length =
-                (self.tuning.ejection_time * state.ejections).min(self.tuning.max_ejection_time);
+            let length = (self.tuning.load().ejection_time * state.ejections)
+                .min(self.tuning.load().max_ejection_time);
             state.ejected_until = Some(now + length);
             state.last_ejected_at = Some(now);
             now + length
@@ -156,7 +158,7 @@ impl Balancer {
             let mut state = backend.lock_availability();
             if let Some(until) = state.ejected_until {
                 if until <= now && !state.probing {
-                    if self.tuning.health_check_path.is_some() {
+                    if self.tuning.load().health_check_path.is_some() {
                         state.probing = true;
                         self.spawn_probe(Arc::clone(backend));
                     } else {
@@ -196,7 +198,7 @@ impl Balancer {
         if changed {
             let eligible = Arc::new(eligible);
             self.eligible.store(Arc::clone(&eligible));
-            self.strategy.on_backends_changed(&eligible);
+            self.strategy.load().on_backends_changed(&eligible);
         }
         self.dispatch_locked(queue);
     }
@@ -216,17 +218,17 @@ impl Balancer {
     }
 
     async fn probe(&self, backend: &Arc<Backend>) -> bool {
-        let Some(path) = &self.tuning.health_check_path else {
+        let Some(path) = &self.tuning.load().health_check_path else {
             return true;
         };
         let addr = backend.addr();
         let Some(mut head) = RequestHead::probe(path) else {
             return false;
         };
+        let client = self.client();
         let answer = tokio::time::timeout(
-            self.tuning.health_check_timeout,
-            self.client
-                .send(backend, &mut head, UpstreamBody::full(Bytes::new()), true),
+            self.tuning.load().health_check_timeout,
+            client.send(backend, &mut head, UpstreamBody::full(Bytes::new()), true),
         )
         .await;
         let passed = matches!(&answer, Ok(Ok(response)) if response.status().is_success());
@@ -246,8 +248,8 @@ impl Balancer {
                 None
             } else {
                 state.ejections += 1;
-                let length = (self.tuning.ejection_time * state.ejections)
-                    .min(self.tuning.max_ejection_time);
+                let length = (self.tuning.load().ejection_time * state.ejections)
+                    .min(self.tuning.load().max_ejection_time);
                 state.ejected_until = Some(now + length);
                 Some(now + length)
             }
@@ -267,7 +269,7 @@ impl Balancer {
     /// Whether a slow-starting backend takes this pick: its share ramps linearly from 10 % to
     /// 100 % over `slow_start`.
     pub(super) fn ramp_admits(&self, backend: &Backend) -> bool {
-        let Some(window) = self.tuning.slow_start else {
+        let Some(window) = self.tuning.load().slow_start else {
             return true;
         };
         let Some(from) = backend.availability().ramp_from else {

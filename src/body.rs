@@ -225,8 +225,38 @@ pub struct ObservedBody {
     // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
     outcome: Finish,
     idle: Option<IdleTimer>,
-    /// The request's access log record, written when the body ends.
-    log: Option<Box<access_log::Pending>>,
+    /// The request's access log record and trace span, finished when the body ends.
+    seen: Observation,
+}
+
+/// What is kept of a request for the access log and its trace, when either is on (both empty
+/// otherwise: nothing is allocated).
+#[derive(Debug, Default)]
+pub struct Observation {
+    /// The access log record.
+    pub log: Option<Box<access_log::Pending>>,
+    /// The server span.
+    pub span: Option<Box<crate::traces::RequestSpan>>,
+}
+
+impl Observation {
+    /// The response body's first byte came now.
+    pub fn first_byte(&mut self) {
+        if let Some(log) = self.log.as_mut() {
+            log.first_byte();
+        }
+    }
+
+    /// The response ended with `status` and `bytes` of body; `reason` says why the router
+    /// answered itself, or how the body failed.
+    pub fn finish(self, status: u16, bytes: u64, reason: Option<&'static str>) {
+        if let Some(log) = self.log {
+            log.finish(status, bytes, reason);
+        }
+        if let Some(span) = self.span {
+            span.finish(status, bytes, reason);
+        }
+    }
 }
 
 /// The upstream idle timeout of one response body: the timer is made on the body's first wait
@@ -324,19 +354,21 @@ impl ObservedBody {
                 bytes: 0,
             },
             idle: None,
-            log: None,
+            seen: Observation::default(),
         }
     }
 
-    /// Writes `log` when the body ends, fails or is dropped.
-    pub fn set_access_log(&mut self, log: Option<Box<access_log::Pending>>) {
-        self.log = log;
+    /// Finishes `seen` when the body ends, fails or is dropped.
+    pub fn observe(&mut self, seen: Observation) {
+        self.seen = seen;
     }
 
     fn write_log(&mut self) {
-        if let Some(log) = self.log.take() {
+        let seen = std::mem::take(&mut self.seen);
+        if seen.log.is_some() || seen.span.is_some() {
             let status = self.outcome.status.map_or(0, |status| status.as_u16());
-            log.finish(status, self.outcome.bytes, None);
+            let failure = self.outcome.error.map(ErrorKind::as_str);
+            seen.finish(status, self.outcome.bytes, failure);
         }
     }
 
@@ -362,14 +394,9 @@ impl Body for ObservedBody {
         let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) else {
             if this.idle.as_mut().is_some_and(|idle| idle.stalled(cx)) {
                 this.idle = None;
-                finish(
-                    &mut this.lease,
-                    Finish {
-                        error: Some(ErrorKind::IdleTimeout),
-                        retry_after: None,
-                        ..this.outcome
-                    },
-                );
+                this.outcome.error = Some(ErrorKind::IdleTimeout);
+                this.outcome.retry_after = None;
+                finish(&mut this.lease, this.outcome);
                 let error = std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the backend sent nothing for upstream_idle_timeout",
@@ -381,9 +408,9 @@ impl Body for ObservedBody {
         if let Some(idle) = this.idle.as_mut() {
             idle.progressed();
         }
-        if let (Some(log), Some(Ok(frame))) = (this.log.as_mut(), frame.as_ref()) {
+        if let Some(Ok(frame)) = frame.as_ref() {
             if frame.is_data() {
-                log.first_byte();
+                this.seen.first_byte();
             }
         }
         match &frame {
@@ -400,14 +427,11 @@ impl Body for ObservedBody {
                     finish_at_end(&mut this.lease, &mut this.inner, this.outcome);
                 }
             }
-            Some(Err(_)) => finish(
-                &mut this.lease,
-                Finish {
-                    error: Some(ErrorKind::Io),
-                    retry_after: None,
-                    ..this.outcome
-                },
-            ),
+            Some(Err(_)) => {
+                this.outcome.error = Some(ErrorKind::Io);
+                this.outcome.retry_after = None;
+                finish(&mut this.lease, this.outcome);
+            }
             None => finish_at_end(&mut this.lease, &mut this.inner, this.outcome),
         }
         Poll::Ready(frame)

@@ -21,6 +21,7 @@ pub mod response;
 pub mod server;
 #[path = "../strategies/mod.rs"]
 pub mod strategies;
+pub mod traces;
 
 pub use config::{Config, Settings};
 pub use server::Router;

@@ -30,13 +30,15 @@ use crate::access_log::{self, AccessLog};
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{
-    BackendBody, BodyFailure, ClientBody, ObservedBody, RequestBody, ResponseBody, UpstreamBody,
+    BackendBody, BodyFailure, ClientBody, Observation, ObservedBody, RequestBody, ResponseBody,
+    UpstreamBody,
 };
 use crate::h1::{FieldLines, Fields};
 use crate::metrics::RetryReason;
 use crate::pool::Failure;
 use crate::response;
 use crate::strategies::{RequestInfo, RequestView};
+use crate::traces::{Decision, Traces};
 use crate::{h1, pool};
 
 /// How requests reach backends over HTTP/1.1: `http://` backends over their own keep-alive
@@ -308,6 +310,8 @@ pub struct ProxyPolicy {
     pub decision_headers: bool,
     /// Where finished requests are logged, when the access log is on.
     pub access_log: Option<AccessLog>,
+    /// The tracer, when traces are on.
+    pub traces: Option<Traces>,
 }
 
 /// A request prepared once for all its attempts: hop-by-hop headers removed, `Host` kept,
@@ -388,6 +392,16 @@ impl RequestHead {
             path_and_query,
             fields: HeadFields::Map(parts.headers),
             has_host,
+        }
+    }
+
+    /// Sets the `traceparent` the next attempt sends (fields kept in a map only; the proxy puts
+    /// them there when traces are on).
+    fn set_traceparent(&mut self, value: &str) {
+        if let (HeadFields::Map(headers), Ok(value)) =
+            (&mut self.fields, HeaderValue::from_str(value))
+        {
+            headers.insert(HeaderName::from_static("traceparent"), value);
         }
     }
 
@@ -636,22 +650,22 @@ pub async fn proxy(
     fields: Option<FieldLines>,
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
-    let mut log = policy
-        .access_log
-        .as_ref()
-        .map(|log| start_log(log, &request, fields.as_ref()));
-    if request.method() == Method::CONNECT {
-        return logged(log, response::connect_not_allowed(), "connect_not_allowed");
+    let mut seen = Observation::default();
+    if policy.access_log.is_some() || policy.traces.is_some() {
+        seen = observe(&policy, &request, fields.as_ref());
     }
-    let (parts, body) = request.into_parts();
+    if request.method() == Method::CONNECT {
+        return logged(seen, response::connect_not_allowed(), "connect_not_allowed");
+    }
+    let (mut parts, body) = request.into_parts();
     let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
         Ok(body) => body,
         Err(error) => {
             let failure = BodyFailure::of(&error);
-            return logged(log, response::body_failure(failure), failure.as_str());
+            return logged(seen, response::body_failure(failure), failure.as_str());
         }
     };
-    if let Some(log) = log.as_mut() {
+    if let Some(log) = seen.log.as_mut() {
         log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
     }
     let info = RequestInfo {
@@ -667,6 +681,15 @@ pub async fn proxy(
         }),
     };
     let mut body = body;
+    // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
+    // it can be set.
+    let fields = match fields {
+        Some(lines) if seen.span.is_some() => {
+            parts.headers = lines.to_map();
+            None
+        }
+        fields => fields,
+    };
     let mut head = RequestHead::prepare(parts, fields, client);
     if let HeadFields::Map(headers) = &mut head.fields {
         if !body.is_replayable() && !headers.contains_key(header::CONTENT_LENGTH) {
@@ -687,34 +710,55 @@ pub async fn proxy(
     let mut last_failure: Option<(ErrorKind, Arc<Backend>)> = None;
     let mut retry_reason: Option<RetryReason> = None;
     for number in 1..=policy.max_attempts {
+        if let Some(span) = seen.span.as_mut() {
+            span.queue_started();
+        }
         let admitted = if tried.is_empty() {
             balancer.admit(info.clone()).await.map(Some)
         } else {
             let requeue = last_failure.is_none();
             balancer.admit_retry(info.clone(), &tried, requeue).await
         };
+        if let Some(span) = seen.span.as_mut() {
+            span.queue_ended(admitted.as_ref().err().map(|r| response::reason(*r)));
+        }
         let lease = match admitted {
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 return match &last_failure {
                     Some((kind, backend)) => {
-                        logged(log, failure_response(*kind, backend.addr()), kind.as_str())
+                        logged(seen, failure_response(*kind, backend.addr()), kind.as_str())
                     }
                     None => {
                         balancer.metrics().rejected.add(1, &[]);
                         let reason = response::reason(Rejection::Busy);
-                        logged(log, response::rejection(Rejection::Busy), reason)
+                        logged(seen, response::rejection(Rejection::Busy), reason)
                     }
                 };
             }
             Err(rejection) => {
                 let reason = response::reason(rejection);
-                return logged(log, response::rejection(rejection), reason);
+                return logged(seen, response::rejection(rejection), reason);
             }
         };
-        if let Some(log) = log.as_mut() {
+        if let Some(log) = seen.log.as_mut() {
             log.attempt(lease.backend().addr().as_str(), lease.dispatched_at());
         }
+        let attempt_span = seen.span.as_ref().map(|span| {
+            let backend = lease.backend();
+            let span = span.attempt(
+                head.method.as_str(),
+                number,
+                Decision {
+                    strategy: balancer.strategy().name(),
+                    backend: backend.addr().as_str(),
+                    in_flight: backend.in_flight(),
+                    ewma_latency: backend.ewma_latency(),
+                },
+            );
+            head.set_traceparent(&span.traceparent());
+            span
+        });
         if let Some(reason) = retry_reason.take() {
             balancer.metrics().count_retry(reason);
         }
@@ -725,11 +769,11 @@ pub async fn proxy(
         let last = !retriable || number == policy.max_attempts;
         let Some(upstream_body) = body.for_attempt() else {
             let answer = response::error(StatusCode::BAD_GATEWAY, "request body already sent");
-            return logged(log, answer, "body_already_sent");
+            return logged(seen, answer, "body_already_sent");
         };
         tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
         let client = balancer.client();
-        let reason = match attempt(
+        let outcome = attempt(
             &client,
             &mut head,
             upstream_body,
@@ -738,19 +782,27 @@ pub async fn proxy(
             policy.first_byte_timeout,
             policy.upstream_idle_timeout,
         )
-        .await
-        {
+        .await;
+        if let Some(span) = attempt_span {
+            match &outcome {
+                Attempt::Answer(response) => span.answered(response.status().as_u16()),
+                Attempt::Busy => span.failed("busy"),
+                Attempt::Failed(kind) => span.failed(kind.as_str()),
+                Attempt::RequestBody(failure) => span.failed(failure.as_str()),
+            }
+        }
+        let reason = match outcome {
             Attempt::Answer(mut response) => {
                 if let Some(queued) = queued {
                     add_decision_headers(&mut response, backend.addr(), queued);
                 }
                 if let Either::Left(observed) = response.body_mut() {
-                    observed.set_access_log(log);
+                    observed.observe(seen);
                 }
                 return response;
             }
             Attempt::RequestBody(failure) => {
-                return logged(log, response::body_failure(failure), failure.as_str());
+                return logged(seen, response::body_failure(failure), failure.as_str());
             }
             Attempt::Busy => {
                 last_failure = None;
@@ -759,11 +811,11 @@ pub async fn proxy(
             Attempt::Failed(kind) => {
                 let safe = kind.before_request_sent() || idempotent;
                 if last || !safe {
-                    return logged(log, failure_response(kind, backend.addr()), kind.as_str());
+                    return logged(seen, failure_response(kind, backend.addr()), kind.as_str());
                 }
                 if !balancer.retry_budget().try_withdraw() {
                     balancer.metrics().retry_budget_exhausted.add(1, &[]);
-                    return logged(log, failure_response(kind, backend.addr()), kind.as_str());
+                    return logged(seen, failure_response(kind, backend.addr()), kind.as_str());
                 }
                 last_failure = Some((kind, Arc::clone(&backend)));
                 if kind.before_request_sent() {
@@ -778,46 +830,57 @@ pub async fn proxy(
     }
     // The loop returns on its last attempt.
     logged(
-        log,
+        seen,
         response::error(StatusCode::BAD_GATEWAY, "no attempt left"),
         "no_attempt_left",
     )
 }
 
-/// The access log record of a request that arrived now.
-fn start_log(
-    log: &AccessLog,
+/// The access log record and server span of a request that arrived now (whichever is on).
+fn observe(
+    policy: &ProxyPolicy,
     request: &Request<ClientBody>,
     fields: Option<&FieldLines>,
-) -> Box<access_log::Pending> {
+) -> Observation {
     let view = match fields {
         Some(lines) => Fields::Lines(lines),
         None => Fields::Map(request.headers()),
     };
-    let trace_id = view.get("traceparent").and_then(access_log::trace_id_of);
+    let traceparent = view.get("traceparent");
     let path = request
         .uri()
         .path_and_query()
         .map_or("/", |path| path.as_str());
-    Box::new(access_log::Pending::new(
-        log,
-        request.method(),
-        path,
-        trace_id,
-    ))
+    let span = policy
+        .traces
+        .as_ref()
+        .map(|traces| Box::new(traces.request(request.method().as_str(), path, traceparent)));
+    let log = policy.access_log.as_ref().map(|log| {
+        let trace_id = match &span {
+            Some(span) => Some(span.trace_id()),
+            None => traceparent.and_then(access_log::trace_id_of),
+        };
+        Box::new(access_log::Pending::new(
+            log,
+            request.method(),
+            path,
+            trace_id,
+        ))
+    });
+    Observation { log, span }
 }
 
-/// Writes the access log record of an answer the router wrote itself, for `reason`.
+/// Finishes the access log record and span of an answer the router wrote itself, for `reason`.
 fn logged(
-    log: Option<Box<access_log::Pending>>,
+    seen: Observation,
     answer: Response<ResponseBody>,
     reason: &'static str,
 ) -> Response<ResponseBody> {
-    if let Some(log) = log {
+    if seen.log.is_some() || seen.span.is_some() {
         let bytes = http_body::Body::size_hint(answer.body())
             .exact()
             .unwrap_or(0);
-        log.finish(answer.status().as_u16(), bytes, Some(reason));
+        seen.finish(answer.status().as_u16(), bytes, Some(reason));
     }
     answer
 }

@@ -25,6 +25,7 @@ use crate::h1::{self, FieldLines};
 use crate::metrics::MetricsError;
 use crate::pool;
 use crate::proxy::{self, ForwardedFor, ProxyPolicy};
+use crate::traces::Traces;
 use arc_swap::ArcSwap;
 
 /// Errors starting the router.
@@ -41,6 +42,9 @@ pub enum StartError {
     /// The metrics exporter could not be set up.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
+    /// The trace exporter could not be set up.
+    #[error("{0}")]
+    Traces(String),
 }
 
 struct Shared {
@@ -50,11 +54,14 @@ struct Shared {
     admin: ArcSwap<AdminPolicy>,
     /// What new HTTP/1 connections are held to; replaced by a reload.
     limits: ArcSwap<h1::server::Limits>,
+    /// The tracer (made once at start, from the `OTEL_*` environment).
+    traces: Option<Traces>,
 }
 
-fn policy_of(settings: &Settings) -> ProxyPolicy {
+fn policy_of(settings: &Settings, traces: Option<&Traces>) -> ProxyPolicy {
     let config = &settings.config;
     ProxyPolicy {
+        traces: traces.cloned(),
         max_attempts: config.max_attempts,
         body_limit: config.retry_body_limit,
         buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
@@ -128,7 +135,8 @@ impl Reloader {
         self.shared
             .balancer
             .reconfigure(&settings, strategy_changed);
-        self.shared.policy.store(Arc::new(policy_of(&settings)));
+        let policy = policy_of(&settings, self.shared.traces.as_ref());
+        self.shared.policy.store(Arc::new(policy));
         self.shared.admin.store(Arc::new(admin_of(&settings)));
         self.shared.limits.store(Arc::new(limits_of(&settings)));
         *running = settings;
@@ -183,10 +191,15 @@ impl Router {
         if !discovery.is_empty() {
             balancer.set_backends(discovery.addrs());
         }
+        let traces = Traces::from_env().map_err(StartError::Traces)?;
+        if traces.is_some() {
+            tracing::info!("traces are exported over OTLP");
+        }
         Ok(Self {
             shared: Arc::new(Shared {
                 balancer,
-                policy: ArcSwap::from_pointee(policy_of(&settings)),
+                policy: ArcSwap::from_pointee(policy_of(&settings, traces.as_ref())),
+                traces,
                 admin: ArcSwap::from_pointee(admin_of(&settings)),
                 limits: ArcSwap::from_pointee(limits_of(&settings)),
             }),
@@ -287,6 +300,10 @@ impl Router {
         }
         state_log.abort();
         reaper.abort();
+        if let Some(traces) = &shared.traces {
+            // Export the spans still batched.
+            traces.shutdown();
+        }
     }
 }
 

@@ -290,6 +290,11 @@ impl Balancer {
         &self.metrics
     }
 
+    /// The strategy's affinity key for `request` ([`Strategy::request_key`]).
+    pub fn request_key(&self, request: &crate::strategies::RequestView<'_>) -> Option<u64> {
+        self.strategy.load().request_key(request)
+    }
+
     /// The strategy in use.
     pub fn strategy(&self) -> Arc<dyn Strategy> {
         Arc::clone(&self.strategy.load())

@@ -670,7 +670,7 @@ pub async fn proxy(
     }
     let info = RequestInfo {
         method: parts.method.clone(),
-        key: balancer.strategy().request_key(&RequestView {
+        key: balancer.request_key(&RequestView {
             method: &parts.method,
             uri: &parts.uri,
             fields: match &fields {

@@ -72,7 +72,7 @@ fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
             .insert((*key).into(), figment::value::Value::from(*value));
     }
     config.queue_max_size = QUEUED + 2000;
-    let balancer = Balancer::new(&Settings::from_config(config).unwrap()).unwrap();
+    let balancer = Settings::from_config(config).unwrap().balancer().unwrap();
     let addrs = (0..BACKENDS)
         .map(|i| {
             format!("10.0.{}.{}:8000", i / 256, i % 256)

@@ -12,8 +12,9 @@ use tokio::time::Instant;
 
 use crate::backend::{Backend, BackendAddr};
 use crate::balancer::Balancer;
-use crate::body::{ClientBody, ResponseBody};
+use crate::body::ClientBody;
 use crate::cidr::Cidr;
+use crate::observed::ResponseBody;
 use crate::response;
 
 /// Every admin path starts with this.

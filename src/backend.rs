@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use http::uri::{Authority, Scheme};
 
-use crate::pool::IdleConnections;
+use crate::h1::idle::IdleConnections;
 
 /// Why a backend address was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -14,11 +14,12 @@
 //! The queue lock is a `std::sync::Mutex` that is never held across an await.
 
 mod availability;
-mod retry_budget;
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -28,13 +29,10 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
-use crate::config::Settings;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::proxy::{self, UpstreamClient};
 use crate::strategies::{Outcome, RequestInfo, Strategy};
 
 use availability::Verdict;
-pub use retry_budget::RetryBudget;
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,54 +102,49 @@ impl Queue {
     }
 }
 
-/// Tunables the balancer reads on the request path, taken from [`Settings`] once.
+/// What the balancer is held to: queue, outcome recording and availability settings, each as
+/// the configuration gives it (replaced whole by a reload).
 #[derive(Debug, Clone)]
-struct Tuning {
-    queue_max_size: usize,
-    queue_timeout: Duration,
-    queue_shed_ratio: f64,
-    ewma_alpha: f64,
-    latency_threshold: f64,
-    completed_cap: u64,
-    consecutive_failures: u32,
-    ejection_time: Duration,
-    max_ejection_time: Duration,
-    max_ejection_percent: f64,
-    health_check_path: Option<String>,
-    health_check_timeout: Duration,
-    max_busy_pause: Duration,
-    slow_start: Option<Duration>,
+pub struct Tuning {
+    /// Requests the queue holds; when full the oldest is evicted.
+    pub queue_max_size: usize,
+    /// How long a request may wait in the queue.
+    pub queue_timeout: Duration,
+    /// Load shedding: the queue ahead in multiples of the requests in flight (0: off).
+    pub queue_shed_ratio: f64,
+    /// EWMA smoothing factor.
+    pub ewma_alpha: f64,
+    /// Seconds a failure counts at least (and holds its backend).
+    pub latency_threshold: f64,
+    /// The cap of each backend's completed count.
+    pub completed_cap: u64,
+    /// Failures in a row that eject a backend.
+    pub consecutive_failures: u32,
+    /// The first ejection's length.
+    pub ejection_time: Duration,
+    /// The longest ejection.
+    pub max_ejection_time: Duration,
+    /// Largest share of backends ejected at once, in percent.
+    pub max_ejection_percent: f64,
+    /// Path probed before an ejected backend is readmitted.
+    pub health_check_path: Option<String>,
+    /// How long a readmission probe may take.
+    pub health_check_timeout: Duration,
+    /// The longest pause of a busy backend.
+    pub max_busy_pause: Duration,
+    /// The slow-start ramp of new and readmitted backends.
+    pub slow_start: Option<Duration>,
 }
 
-impl Tuning {
-    fn of(settings: &Settings) -> Self {
-        let config = &settings.config;
-        let seconds = Duration::from_secs_f64;
-        Self {
-            queue_max_size: config.queue_max_size,
-            queue_timeout: settings.queue_timeout(),
-            queue_shed_ratio: config.queue_shed_ratio,
-            ewma_alpha: config.ewma_alpha,
-            latency_threshold: config.latency_threshold,
-            completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
-            consecutive_failures: config.consecutive_failures,
-            ejection_time: seconds(config.ejection_time),
-            max_ejection_time: seconds(config.max_ejection_time),
-            max_ejection_percent: config.max_ejection_percent,
-            health_check_path: config.health_check_path.clone(),
-            health_check_timeout: seconds(config.health_check_timeout),
-            max_busy_pause: seconds(config.max_busy_pause),
-            slow_start: Settings::optional(config.slow_start),
-        }
-    }
-}
-
-fn client_of(settings: &Settings) -> UpstreamClient {
-    proxy::client(
-        settings.connect_timeout(),
-        Settings::optional(settings.config.upstream_idle_timeout),
-        &settings.extra_ca_certs,
-    )
+/// Sends readmission probes (`GET health_check_path`): the balancer decides when, the upstream
+/// side how ([`crate::health`]).
+pub trait Probe: Send + Sync + 'static {
+    /// Whether `backend` answers `GET path` with a 2xx (the balancer bounds the wait).
+    fn probe<'a>(
+        &'a self,
+        backend: &'a Arc<Backend>,
+        path: &'a str,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 }
 
 /// Shared routing state. See the module docs.
@@ -168,8 +161,8 @@ pub struct Balancer {
     leased: AtomicUsize,
     tuning: ArcSwap<Tuning>,
     metrics: Metrics,
-    client: ArcSwap<UpstreamClient>,
-    retry_budget: RetryBudget,
+    /// Sends readmission probes; without one, an expired ejection readmits at once.
+    prober: OnceLock<Arc<dyn Probe>>,
     draining: AtomicBool,
     panic_mode: AtomicBool,
     /// Whether a set-backends call replaced the configured backends (discovery then stops).
@@ -186,56 +179,43 @@ impl std::fmt::Debug for Balancer {
 }
 
 impl Balancer {
-    /// A balancer with no backends, using the settings' strategy.
-    pub fn new(settings: &Settings) -> Result<Arc<Self>, MetricsError> {
+    /// A balancer with no backends, held to `tuning`, picking with `strategy`.
+    pub fn new(tuning: Tuning, strategy: Arc<dyn Strategy>) -> Result<Arc<Self>, MetricsError> {
         let backends: Arc<Snapshot> = Arc::new(Snapshot::from_pointee(Vec::new()));
         let queue_depth = Arc::new(AtomicUsize::new(0));
         let metrics = Metrics::new(Arc::clone(&backends), Arc::clone(&queue_depth))?;
-        let config = &settings.config;
         Ok(Arc::new(Self {
             backends,
             eligible: Snapshot::from_pointee(Vec::new()),
-            strategy: ArcSwap::from_pointee(Arc::clone(&settings.strategy)),
+            strategy: ArcSwap::from_pointee(strategy),
             queue: Mutex::new(Queue::default()),
             queue_depth,
             leased: AtomicUsize::new(0),
-            tuning: ArcSwap::from_pointee(Tuning::of(settings)),
+            tuning: ArcSwap::from_pointee(tuning),
             metrics,
-            client: ArcSwap::from_pointee(client_of(settings)),
-            retry_budget: RetryBudget::new(
-                config.retry_budget_percent,
-                config.retry_budget_min_per_second,
-            ),
+            prober: OnceLock::new(),
             draining: AtomicBool::new(false),
             panic_mode: AtomicBool::new(false),
             set_by_admin: AtomicBool::new(false),
         }))
     }
 
-    /// The pooled client used for every backend.
-    pub fn client(&self) -> Arc<UpstreamClient> {
-        self.client.load_full()
+    /// Sets what sends readmission probes (once; later calls are ignored).
+    pub fn set_prober(&self, prober: Arc<dyn Probe>) {
+        let _ = self.prober.set(prober);
     }
 
-    /// Applies a reloaded configuration to new requests: the strategy (a new one only when its
-    /// name or parameters changed, so that what it learned is kept otherwise), the queue,
-    /// outcome and availability tunables, and the upstream client's timeouts. Requests in flight
-    /// and queued keep their leases and places; the queue is looked at again at once.
-    pub fn reconfigure(self: &Arc<Self>, settings: &Settings, strategy_changed: bool) {
-        self.tuning.store(Arc::new(Tuning::of(settings)));
-        self.client.store(Arc::new(client_of(settings)));
-        if strategy_changed {
-            let strategy = Arc::clone(&settings.strategy);
+    /// Applies a reloaded configuration to new requests: `tuning`, and `strategy` when it
+    /// changed (kept otherwise, so that what it learned is kept). Requests in flight and queued
+    /// keep their leases and places; the queue is looked at again at once.
+    pub fn reconfigure(self: &Arc<Self>, tuning: Tuning, strategy: Option<Arc<dyn Strategy>>) {
+        self.tuning.store(Arc::new(tuning));
+        if let Some(strategy) = strategy {
             strategy.on_backends_changed(&self.eligible.load());
             self.strategy.store(Arc::new(strategy));
         }
         let mut queue = self.lock();
         self.dispatch_locked(&mut queue);
-    }
-
-    /// The retry budget shared by all requests.
-    pub fn retry_budget(&self) -> &RetryBudget {
-        &self.retry_budget
     }
 
     /// Notes that the admin API replaced the backend set: configured discovery stops.

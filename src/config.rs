@@ -555,6 +555,50 @@ impl Settings {
         crate::discovery::Discovery::new(entries, Duration::from_secs_f64(self.config.dns_refresh))
     }
 
+    /// What the balancer is held to.
+    pub fn tuning(&self) -> crate::balancer::Tuning {
+        let config = &self.config;
+        let seconds = Duration::from_secs_f64;
+        crate::balancer::Tuning {
+            queue_max_size: config.queue_max_size,
+            queue_timeout: self.queue_timeout(),
+            queue_shed_ratio: config.queue_shed_ratio,
+            ewma_alpha: config.ewma_alpha,
+            latency_threshold: config.latency_threshold,
+            completed_cap: (2 * config.queue_max_size / 5).max(1) as u64,
+            consecutive_failures: config.consecutive_failures,
+            ejection_time: seconds(config.ejection_time),
+            max_ejection_time: seconds(config.max_ejection_time),
+            max_ejection_percent: config.max_ejection_percent,
+            health_check_path: config.health_check_path.clone(),
+            health_check_timeout: seconds(config.health_check_timeout),
+            max_busy_pause: seconds(config.max_busy_pause),
+            slow_start: Settings::optional(config.slow_start),
+        }
+    }
+
+    /// A balancer with no backends, held to these settings and picking with their strategy.
+    pub fn balancer(&self) -> Result<Arc<crate::balancer::Balancer>, crate::metrics::MetricsError> {
+        crate::balancer::Balancer::new(self.tuning(), Arc::clone(&self.strategy))
+    }
+
+    /// The upstream client these settings call for (timeouts, extra CA certificates).
+    pub fn upstream_client(&self) -> crate::upstream::UpstreamClient {
+        crate::upstream::client(
+            self.connect_timeout(),
+            Settings::optional(self.config.upstream_idle_timeout),
+            &self.extra_ca_certs,
+        )
+    }
+
+    /// The retry budget these settings call for.
+    pub fn retry_budget(&self) -> crate::retry_budget::RetryBudget {
+        crate::retry_budget::RetryBudget::new(
+            self.config.retry_budget_percent,
+            self.config.retry_budget_min_per_second,
+        )
+    }
+
     /// Queue timeout as a duration.
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.config.queue_timeout)

@@ -13,15 +13,20 @@ pub mod body;
 pub mod cidr;
 pub mod config;
 pub mod discovery;
+pub mod forwarding;
 pub mod h1;
+pub mod health;
 pub mod metrics;
+pub mod observed;
 pub mod pool;
 pub mod proxy;
 pub mod response;
+pub mod retry_budget;
 pub mod server;
 #[path = "../strategies/mod.rs"]
 pub mod strategies;
 pub mod traces;
+pub mod upstream;
 
 pub use config::{Config, Settings};
 pub use server::Router;

@@ -13,101 +13,17 @@
 //! A connection the backend closed while it was idle must not fail a request: when the request
 //! could not be handed to a reused connection, it is sent again on a new one.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::Response;
 use tokio::net::TcpStream;
-use tokio::time::Instant;
 
 use crate::backend::{Backend, ErrorKind};
 use crate::body::{BodyFailure, UpstreamBody};
 pub use crate::h1::Connection;
+pub use crate::h1::idle::{IDLE_TIMEOUT, IdleConnections, MAX_IDLE_PER_BACKEND};
 use crate::h1::{RequestHead, ResponseStream, SendError};
-
-/// Idle connections kept per backend; more are closed when they come back.
-pub const MAX_IDLE_PER_BACKEND: usize = 128;
-
-/// How long a connection may stay idle before it is closed.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-
-struct Idle {
-    connection: Connection,
-    since: Instant,
-}
-
-/// A backend's idle keep-alive connections, most recently used last.
-#[derive(Default)]
-pub struct IdleConnections {
-    stack: Mutex<VecDeque<Idle>>,
-}
-
-impl std::fmt::Debug for IdleConnections {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdleConnections")
-            .field("idle", &self.len())
-            .finish()
-    }
-}
-
-impl IdleConnections {
-    fn lock(&self) -> MutexGuard<'_, VecDeque<Idle>> {
-        self.stack
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Idle connections waiting.
-    fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Puts back a connection whose last exchange ended cleanly (at `since`), unless the
-    /// backend already sent something more on it.
-    pub fn put(&self, connection: Connection, since: Instant) {
-        if !connection.is_clean() {
-            return;
-        }
-        let mut stack = self.lock();
-        if stack.len() >= MAX_IDLE_PER_BACKEND {
-            stack.pop_front();
-        }
-        stack.push_back(Idle { connection, since });
-    }
-
-    /// Closes the connections idle for longer than `timeout`, and those on which the backend
-    /// sent anything (bytes or the end of the stream) since their last response.
-    pub fn reap(&self, timeout: Duration) {
-        let now = Instant::now();
-        self.lock().retain(|idle| {
-            now.saturating_duration_since(idle.since) < timeout
-                && idle.connection.kernel_says_clean()
-        });
-    }
-
-    /// Takes the most recently used idle connection on which the backend has sent nothing since
-    /// its last response; the others are closed on the way.
-    fn checkout(&self) -> Option<Connection> {
-        let now = Instant::now();
-        loop {
-            let idle = {
-                let mut stack = self.lock();
-                let idle = stack.pop_back()?;
-                if now.saturating_duration_since(idle.since) >= IDLE_TIMEOUT {
-                    // The stack is ordered by age: everything below is older still.
-                    stack.clear();
-                    return None;
-                }
-                idle
-            };
-            // Checked outside the lock (it may make a system call).
-            if idle.connection.is_clean() {
-                return Some(idle.connection);
-            }
-        }
-    }
-}
 
 /// Opens a connection to `backend` within `timeout`.
 async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, ErrorKind> {

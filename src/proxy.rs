@@ -8,290 +8,28 @@
 //! one is streamed once. Responses are always streamed. Requests go out as HTTP/1.1 over
 //! keep-alive connections ([`crate::pool`] for `http://` backends).
 
-use std::error::Error as _;
-use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
-
-use futures_util::future::{self, FutureExt as _};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{PathAndQuery, Uri};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::Either;
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use rustls::pki_types::CertificateDer;
+use tokio::sync::Semaphore;
 
 use crate::access_log::{self, AccessLog};
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
-use crate::body::{
-    BackendBody, BodyFailure, ClientBody, Observation, ObservedBody, RequestBody, ResponseBody,
-    UpstreamBody,
-};
+use crate::body::{BodyFailure, ClientBody, RequestBody, UpstreamBody};
+use crate::forwarding::{ForwardedFor, HeadFields, RequestHead, remove_hop_by_hop};
 use crate::h1::{FieldLines, Fields};
 use crate::metrics::RetryReason;
+use crate::observed::{Observation, ObservedBody, ResponseBody};
 use crate::pool::Failure;
 use crate::response;
+use crate::retry_budget::RetryBudget;
 use crate::strategies::{RequestInfo, RequestView};
 use crate::traces::{Decision, Traces};
-use crate::{h1, pool};
-
-/// How requests reach backends over HTTP/1.1: `http://` backends over their own keep-alive
-/// connections ([`crate::pool`]), `https://` ones over a pooled rustls client built on first use
-/// (loading the system's CA certificates costs startup time and memory that plain-HTTP
-/// deployments need not pay).
-pub struct UpstreamClient {
-    https: OnceLock<Client<HttpsConnector<HttpConnector>, UpstreamBody>>,
-    connect_timeout: Duration,
-    /// How long a backend may take none of a request being written (`upstream_idle_timeout`).
-    stall_timeout: Option<Duration>,
-    extra_ca_certs: Vec<CertificateDer<'static>>,
-}
-
-impl std::fmt::Debug for UpstreamClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UpstreamClient")
-            .field("tls_ready", &self.https.get().is_some())
-            .finish_non_exhaustive()
-    }
-}
-
-impl UpstreamClient {
-    /// Sends the request `head` with `body` to `backend`. An `http://` backend gets it over a
-    /// pooled connection ([`crate::pool`]), the head written from `head` as it is (so another
-    /// attempt needs no copy of it); the response body then holds the connection, which goes back
-    /// once the body has been read to its end. An `https://` backend gets a request built from
-    /// `head`: its headers are copied unless this is the `last` attempt.
-    ///
-    /// Not an `async fn`: the exchange's own future is returned, not moved into another one.
-    pub fn send<'a>(
-        &'a self,
-        backend: &'a Arc<Backend>,
-        head: &'a mut RequestHead,
-        body: UpstreamBody,
-        last: bool,
-    ) -> impl Future<Output = Result<Response<BackendBody>, Failure>> + 'a {
-        let addr = backend.addr();
-        if addr.is_https() {
-            future::Either::Right(self.send_tls(addr, head, body, last))
-        } else {
-            future::Either::Left(
-                pool::send(
-                    backend,
-                    head.h1(addr),
-                    body,
-                    self.connect_timeout,
-                    self.stall_timeout,
-                )
-                .map(|sent| sent.map(|response| response.map(BackendBody::Pooled))),
-            )
-        }
-    }
-
-    async fn send_tls(
-        &self,
-        addr: &BackendAddr,
-        head: &mut RequestHead,
-        body: UpstreamBody,
-        last: bool,
-    ) -> Result<Response<BackendBody>, Failure> {
-        let https = self.https.get_or_init(|| {
-            let connector = HttpsConnectorBuilder::new()
-                .with_tls_config(tls_config(&self.extra_ca_certs))
-                .https_or_http()
-                .enable_http1()
-                .wrap_connector(http_connector(self.connect_timeout));
-            pooled(connector)
-        });
-        let request = head.tls_request(addr, body, last);
-        match https.request(request).await {
-            Ok(response) => Ok(response.map(BackendBody::Tls)),
-            Err(error) => Err(classify(&error)),
-        }
-    }
-}
-
-/// `scheme://authority/path` for `addr`.
-fn absolute_uri(addr: &BackendAddr, path_and_query: PathAndQuery) -> Uri {
-    let mut parts = http::uri::Parts::default();
-    parts.scheme = Some(addr.scheme());
-    parts.authority = Some(addr.authority().clone());
-    parts.path_and_query = Some(path_and_query);
-    Uri::from_parts(parts).expect("scheme, authority and path make an absolute URI")
-}
-
-/// The `Host` a request to `addr` carries when the client sent none: the host, and the port
-/// unless it is the scheme's default.
-fn host_text(addr: &BackendAddr) -> &str {
-    let authority = addr.authority();
-    let default_port = if addr.is_https() { 443 } else { 80 };
-    match authority.port_u16() {
-        Some(port) if port != default_port => authority.as_str(),
-        _ => authority.host(),
-    }
-}
-
-fn http_connector(connect_timeout: Duration) -> HttpConnector {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.enforce_http(false);
-    connector
-}
-
-fn pooled<C>(connector: C) -> Client<C, UpstreamBody>
-where
-    C: hyper_util::client::legacy::connect::Connect + Clone,
-{
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(pool::IDLE_TIMEOUT)
-        .build(connector)
-}
-
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static(h1::fields::FORWARDED_FOR);
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static(h1::fields::FORWARDED_PROTO);
-/// The `X-Forwarded-Proto` every proxied request carries (the listener speaks cleartext only).
-const FORWARDED_PROTO_VALUE: &str = "http";
-const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-
-/// Headers that apply to one connection only and are never forwarded (`Connection` first; their
-/// lengths are listed in `remove_hop_by_hop`).
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    PROXY_CONNECTION,
-    KEEP_ALIVE,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHORIZATION,
-];
-
-/// Builds the upstream client: keep-alive connections, `TCP_NODELAY`, connect timeout; TLS for
-/// `https://` backends trusting the system store plus `extra_ca_certs`.
-pub fn client(
-    connect_timeout: Duration,
-    stall_timeout: Option<Duration>,
-    extra_ca_certs: &[CertificateDer<'static>],
-) -> UpstreamClient {
-    UpstreamClient {
-        https: OnceLock::new(),
-        connect_timeout,
-        stall_timeout,
-        extra_ca_certs: extra_ca_certs.to_vec(),
-    }
-}
-
-fn tls_config(extra_ca_certs: &[CertificateDer<'static>]) -> rustls::ClientConfig {
-    let mut roots = rustls::RootCertStore::empty();
-    let native = rustls_native_certs::load_native_certs();
-    let (added, _ignored) = roots.add_parsable_certificates(native.certs);
-    let (extra, _) = roots.add_parsable_certificates(extra_ca_certs.iter().cloned());
-    tracing::debug!(
-        system = added,
-        extra,
-        "trusted CA certificates for https backends"
-    );
-    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("the ring provider supports the default protocol versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth()
-}
-
-/// Removes hop-by-hop headers, including every header named in `Connection`.
-pub fn remove_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the names finds which are present (most messages carry none, responses
-    // often `Connection: keep-alive` alone): only those are removed, each with one hashed lookup.
-    let mut present = 0u16;
-    for name in headers.keys() {
-        // Lengths first: most names are ruled out without comparing them.
-        if !matches!(name.as_str().len(), 2 | 7 | 10 | 16 | 17 | 19) {
-            continue;
-        }
-        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
-            present |= 1 << index;
-        }
-    }
-    if present == 0 {
-        return;
-    }
-    if present & 1 != 0 {
-        // `HOP_BY_HOP[0]` is `Connection`: the headers it names go too. Those on the list are
-        // removed below if present; the others only when present (`close` names none).
-        let mut named: Vec<HeaderName> = Vec::new();
-        for token in headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|list| list.split(','))
-            .map(str::trim)
-        {
-            let listed = HOP_BY_HOP.iter().any(|hop| {
-                let hop = hop.as_str();
-                hop.len() == token.len() && token.eq_ignore_ascii_case(hop)
-            });
-            if !listed && !token.is_empty() && headers.contains_key(token) {
-                if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
-                    named.push(name);
-                }
-            }
-        }
-        for name in named {
-            headers.remove(name);
-        }
-    }
-    for (index, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << index) != 0 {
-            headers.remove(name);
-        }
-    }
-}
-
-/// The client's address as an `X-Forwarded-For` element, made once per connection.
-#[derive(Debug, Clone)]
-pub struct ForwardedFor(HeaderValue);
-
-impl ForwardedFor {
-    /// The element for a client connected from `peer`.
-    pub fn new(peer: SocketAddr) -> Self {
-        let text = peer.ip().to_canonical().to_string();
-        Self(HeaderValue::from_str(&text).expect("an IP address is a valid header value"))
-    }
-
-    /// The `X-Forwarded-For` value of a request that came with the values `sent`: those, joined
-    /// into one, then this client.
-    fn appended_to<'a>(&self, sent: impl IntoIterator<Item = &'a [u8]>) -> HeaderValue {
-        let mut joined = Vec::new();
-        for value in sent {
-            joined.extend_from_slice(value);
-            joined.extend_from_slice(b", ");
-        }
-        if joined.is_empty() {
-            return self.0.clone();
-        }
-        joined.extend_from_slice(self.0.as_bytes());
-        // Field values joined by ", " make a field value.
-        HeaderValue::from_bytes(&joined).unwrap_or_else(|_| self.0.clone())
-    }
-}
-
-fn append_forwarded_for(headers: &mut HeaderMap, client: &ForwardedFor) {
-    let value = client.appended_to(
-        headers
-            .get_all(&X_FORWARDED_FOR)
-            .iter()
-            .map(HeaderValue::as_bytes),
-    );
-    headers.insert(X_FORWARDED_FOR, value);
-}
+use crate::upstream::UpstreamClient;
 
 /// How requests are proxied: what retries may do, and what the response says of the decision.
 #[derive(Debug, Clone)]
@@ -312,166 +50,10 @@ pub struct ProxyPolicy {
     pub access_log: Option<AccessLog>,
     /// The tracer, when traces are on.
     pub traces: Option<Traces>,
-}
-
-/// A request prepared once for all its attempts: hop-by-hop headers removed, `Host` kept,
-/// `X-Forwarded-For` and `X-Forwarded-Proto` set.
-#[derive(Debug)]
-pub struct RequestHead {
-    method: Method,
-    path_and_query: PathAndQuery,
-    fields: HeadFields,
-    /// Whether the fields have a `Host` (otherwise each attempt gets the backend's).
-    has_host: bool,
-}
-
-/// The fields of a [`RequestHead`].
-#[derive(Debug)]
-enum HeadFields {
-    /// In a map, the forwarding fields set.
-    Map(HeaderMap),
-    /// An HTTP/1 client's lines as it sent them, and the `X-Forwarded-For` value to add.
-    Lines {
-        lines: FieldLines,
-        forwarded_for: HeaderValue,
-    },
-}
-
-impl RequestHead {
-    /// Prepares the head of a client request received from `client`, its fields kept as the
-    /// lines it sent when there are `fields` (the map is then empty).
-    pub fn prepare(
-        parts: http::request::Parts,
-        fields: Option<FieldLines>,
-        client: &ForwardedFor,
-    ) -> Self {
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        match fields {
-            Some(lines) => {
-                let forwarded_for = client.appended_to(lines.forwarded_for());
-                Self {
-                    method: parts.method,
-                    path_and_query,
-                    has_host: lines.has_host(),
-                    fields: HeadFields::Lines {
-                        lines,
-                        forwarded_for,
-                    },
-                }
-            }
-            None => Self::prepare_map(parts, path_and_query, client),
-        }
-    }
-
-    fn prepare_map(
-        mut parts: http::request::Parts,
-        path_and_query: PathAndQuery,
-        client: &ForwardedFor,
-    ) -> Self {
-        remove_hop_by_hop(&mut parts.headers);
-        let mut has_host = parts.headers.contains_key(header::HOST);
-        if !has_host {
-            if let Some(authority) = parts.uri.authority() {
-                if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
-                    parts.headers.insert(header::HOST, host);
-                    has_host = true;
-                }
-            }
-        }
-        append_forwarded_for(&mut parts.headers, client);
-        parts.headers.insert(
-            X_FORWARDED_PROTO,
-            HeaderValue::from_static(FORWARDED_PROTO_VALUE),
-        );
-        Self {
-            method: parts.method,
-            path_and_query,
-            fields: HeadFields::Map(parts.headers),
-            has_host,
-        }
-    }
-
-    /// Sets the `traceparent` the next attempt sends (fields kept in a map only; the proxy puts
-    /// them there when traces are on).
-    fn set_traceparent(&mut self, value: &str) {
-        if let (HeadFields::Map(headers), Ok(value)) =
-            (&mut self.fields, HeaderValue::from_str(value))
-        {
-            headers.insert(HeaderName::from_static("traceparent"), value);
-        }
-    }
-
-    /// A bodiless `GET path` with no header fields (a health probe's request).
-    pub fn probe(path: &str) -> Option<Self> {
-        Some(Self {
-            method: Method::GET,
-            path_and_query: PathAndQuery::try_from(path).ok()?,
-            fields: HeadFields::Map(HeaderMap::new()),
-            has_host: false,
-        })
-    }
-
-    /// The head for one attempt to the plain-HTTP backend `addr`: origin form (authority form
-    /// for `CONNECT`), with the backend's `Host` if the client sent none.
-    fn h1<'a>(&'a self, addr: &'a BackendAddr) -> h1::RequestHead<'a> {
-        h1::RequestHead {
-            method: &self.method,
-            target: if self.method == Method::CONNECT {
-                addr.authority().as_str()
-            } else {
-                self.path_and_query.as_str()
-            },
-            fields: match &self.fields {
-                HeadFields::Map(headers) => h1::client::HeadFields::Map(headers),
-                HeadFields::Lines {
-                    lines,
-                    forwarded_for,
-                } => h1::client::HeadFields::Lines {
-                    lines: lines.lines(),
-                    forwarded_for: forwarded_for.as_bytes(),
-                    forwarded_proto: FORWARDED_PROTO_VALUE.as_bytes(),
-                    has_content_length: lines.has_content_length(),
-                },
-            },
-            host: (!self.has_host).then(|| host_text(addr)),
-        }
-    }
-
-    /// The request for one attempt to the `https://` backend `addr`, with an absolute URI (the
-    /// TLS client sets `Host` from it when the client sent none). The headers are copied when
-    /// another attempt may follow, and moved into the `last` one.
-    fn tls_request(
-        &mut self,
-        addr: &BackendAddr,
-        body: UpstreamBody,
-        last: bool,
-    ) -> Request<UpstreamBody> {
-        let mut request = Request::new(body);
-        *request.method_mut() = self.method.clone();
-        *request.uri_mut() = absolute_uri(addr, self.path_and_query.clone());
-        *request.version_mut() = Version::HTTP_11;
-        *request.headers_mut() = match &mut self.fields {
-            HeadFields::Map(headers) if last => std::mem::take(headers),
-            HeadFields::Map(headers) => headers.clone(),
-            HeadFields::Lines {
-                lines,
-                forwarded_for,
-            } => {
-                let mut headers = lines.to_map();
-                headers.insert(X_FORWARDED_FOR, forwarded_for.clone());
-                headers.insert(
-                    X_FORWARDED_PROTO,
-                    HeaderValue::from_static(FORWARDED_PROTO_VALUE),
-                );
-                headers
-            }
-        };
-        request
-    }
+    /// How attempts reach backends.
+    pub client: Arc<UpstreamClient>,
+    /// Failure retries allowed (shared by all requests, kept across reloads).
+    pub retry_budget: Arc<RetryBudget>,
 }
 
 /// How one attempt ended.
@@ -703,7 +285,7 @@ pub async fn proxy(
     }
     let retriable = body.is_replayable() && policy.max_attempts > 1;
     let idempotent = is_idempotent(&head.method);
-    balancer.retry_budget().deposit();
+    policy.retry_budget.deposit();
     // Read the clock only for what needs it.
     let arrived = policy.decision_headers.then(tokio::time::Instant::now);
     let mut tried: Vec<Arc<Backend>> = Vec::new();
@@ -772,9 +354,8 @@ pub async fn proxy(
             return logged(seen, answer, "body_already_sent");
         };
         tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
-        let client = balancer.client();
         let outcome = attempt(
-            &client,
+            &policy.client,
             &mut head,
             upstream_body,
             last,
@@ -813,7 +394,7 @@ pub async fn proxy(
                 if last || !safe {
                     return logged(seen, failure_response(kind, backend.addr()), kind.as_str());
                 }
-                if !balancer.retry_budget().try_withdraw() {
+                if !policy.retry_budget.try_withdraw() {
                     balancer.metrics().retry_budget_exhausted.add(1, &[]);
                     return logged(seen, failure_response(kind, backend.addr()), kind.as_str());
                 }
@@ -883,137 +464,4 @@ fn logged(
         seen.finish(answer.status().as_u16(), bytes, Some(reason));
     }
     answer
-}
-
-fn classify(error: &hyper_util::client::legacy::Error) -> Failure {
-    if !error.is_connect() {
-        // The request body's own error comes back as hyper's "user body" error.
-        let mut source = error.source();
-        while let Some(cause) = source {
-            if let Some(hyper) = cause.downcast_ref::<hyper::Error>() {
-                if hyper.is_user() {
-                    let mut timed_out = false;
-                    let mut inner = hyper.source();
-                    while let Some(cause) = inner {
-                        timed_out |= cause
-                            .downcast_ref::<std::io::Error>()
-                            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut);
-                        inner = cause.source();
-                    }
-                    return Failure::RequestBody(if timed_out {
-                        BodyFailure::TimedOut
-                    } else {
-                        BodyFailure::Broken
-                    });
-                }
-            }
-            source = cause.source();
-        }
-        return Failure::Backend(ErrorKind::Io);
-    }
-    Failure::Backend(connect_kind(error))
-}
-
-fn connect_kind(error: &hyper_util::client::legacy::Error) -> ErrorKind {
-    let mut source = error.source();
-    while let Some(cause) = source {
-        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::TimedOut {
-                return ErrorKind::ConnectTimeout;
-            }
-        }
-        source = cause.source();
-    }
-    ErrorKind::Connect
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn removes_hop_by_hop_and_connection_named_headers() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, X-Secret"),
-        );
-        headers.insert("x-secret", HeaderValue::from_static("1"));
-        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        headers.insert(header::TE, HeaderValue::from_static("trailers"));
-        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        headers.insert("x-end-to-end", HeaderValue::from_static("kept"));
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer t"));
-        remove_hop_by_hop(&mut headers);
-        let names: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
-        assert_eq!(names.len(), 2, "{names:?}");
-        assert!(headers.contains_key("x-end-to-end"));
-        assert!(headers.contains_key(header::AUTHORIZATION));
-
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("close, Upgrade, x-Gone, , x-absent"),
-        );
-        headers.append(header::CONNECTION, HeaderValue::from_static("x-other"));
-        headers.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
-        headers.insert("x-gone", HeaderValue::from_static("1"));
-        headers.insert("x-other", HeaderValue::from_static("1"));
-        headers.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        remove_hop_by_hop(&mut headers);
-        let names: Vec<_> = headers.keys().map(|k| k.as_str()).collect();
-        assert_eq!(names, ["content-type"]);
-    }
-
-    #[test]
-    fn every_hop_by_hop_name_passes_the_length_filter() {
-        for hop in &HOP_BY_HOP {
-            let mut headers = HeaderMap::new();
-            headers.insert(hop.clone(), HeaderValue::from_static("x"));
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-            remove_hop_by_hop(&mut headers);
-            assert_eq!(headers.len(), 1, "{hop}");
-        }
-    }
-
-    #[test]
-    fn appends_to_forwarded_for() {
-        let peer = ForwardedFor::new("192.0.2.7:5000".parse().unwrap());
-        let mut headers = HeaderMap::new();
-        append_forwarded_for(&mut headers, &peer);
-        assert_eq!(headers[&X_FORWARDED_FOR], "192.0.2.7");
-        append_forwarded_for(&mut headers, &peer);
-        assert_eq!(headers[&X_FORWARDED_FOR], "192.0.2.7, 192.0.2.7");
-        headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.1"));
-        append_forwarded_for(&mut headers, &peer);
-        assert_eq!(
-            headers[&X_FORWARDED_FOR],
-            "192.0.2.7, 192.0.2.7, 198.51.100.1, 192.0.2.7"
-        );
-        // The value an HTTP/1 client's lines get is made the same way, bytes kept as they came.
-        assert_eq!(peer.appended_to(None).as_bytes(), b"192.0.2.7");
-        let sent: [&[u8]; 2] = [b"a", b"b\xff"];
-        assert_eq!(peer.appended_to(sent).as_bytes(), b"a, b\xff, 192.0.2.7");
-    }
-
-    #[test]
-    fn the_http1_sides_leave_out_the_same_hop_by_hop_fields() {
-        for name in &HOP_BY_HOP {
-            assert!(h1::hop_by_hop(name.as_str().as_bytes()).is_some(), "{name}");
-        }
-        for name in [
-            "host",
-            "content-length",
-            "authorization",
-            "x-forwarded-for",
-            "t",
-            "tee",
-        ] {
-            assert!(h1::hop_by_hop(name.as_bytes()).is_none(), "{name}");
-        }
-    }
 }

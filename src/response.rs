@@ -6,7 +6,8 @@ use http::{Response, StatusCode};
 use http_body_util::{Either, Full};
 
 use crate::balancer::Rejection;
-use crate::body::{BodyFailure, ResponseBody};
+use crate::body::BodyFailure;
+use crate::observed::ResponseBody;
 
 const JSON: HeaderValue = HeaderValue::from_static("application/json");
 

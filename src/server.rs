@@ -19,13 +19,18 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use crate::access_log::AccessLog;
 use crate::admin::{self, AdminPolicy};
 use crate::balancer::Balancer;
-use crate::body::{ClientBody, ResponseBody};
+use crate::body::ClientBody;
 use crate::config::Settings;
+use crate::forwarding::ForwardedFor;
 use crate::h1::{self, FieldLines};
+use crate::health::HttpProbe;
 use crate::metrics::MetricsError;
+use crate::observed::ResponseBody;
 use crate::pool;
-use crate::proxy::{self, ForwardedFor, ProxyPolicy};
+use crate::proxy::{self, ProxyPolicy};
+use crate::retry_budget::RetryBudget;
 use crate::traces::Traces;
+use crate::upstream::UpstreamClient;
 use arc_swap::ArcSwap;
 
 /// Errors starting the router.
@@ -56,11 +61,22 @@ struct Shared {
     limits: ArcSwap<h1::server::Limits>,
     /// The tracer (made once at start, from the `OTEL_*` environment).
     traces: Option<Traces>,
+    /// How requests and probes reach backends; replaced by a reload.
+    client: Arc<ArcSwap<UpstreamClient>>,
+    /// Failure retries allowed, shared by all requests (kept across reloads).
+    retry_budget: Arc<RetryBudget>,
 }
 
-fn policy_of(settings: &Settings, traces: Option<&Traces>) -> ProxyPolicy {
+fn policy_of(
+    settings: &Settings,
+    traces: Option<&Traces>,
+    client: Arc<UpstreamClient>,
+    retry_budget: &Arc<RetryBudget>,
+) -> ProxyPolicy {
     let config = &settings.config;
     ProxyPolicy {
+        client,
+        retry_budget: Arc::clone(retry_budget),
         traces: traces.cloned(),
         max_attempts: config.max_attempts,
         body_limit: config.retry_body_limit,
@@ -132,10 +148,18 @@ impl Reloader {
             .filter(|key| old.get(key) != new.get(key))
             .collect();
         let strategy_changed = running.config.strategy != settings.config.strategy;
+        let strategy = strategy_changed.then(|| Arc::clone(&settings.strategy));
         self.shared
             .balancer
-            .reconfigure(&settings, strategy_changed);
-        let policy = policy_of(&settings, self.shared.traces.as_ref());
+            .reconfigure(settings.tuning(), strategy);
+        let client = Arc::new(settings.upstream_client());
+        self.shared.client.store(Arc::clone(&client));
+        let policy = policy_of(
+            &settings,
+            self.shared.traces.as_ref(),
+            client,
+            &self.shared.retry_budget,
+        );
         self.shared.policy.store(Arc::new(policy));
         self.shared.admin.store(Arc::new(admin_of(&settings)));
         self.shared.limits.store(Arc::new(limits_of(&settings)));
@@ -185,7 +209,10 @@ impl Router {
     }
 
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
-        let balancer = Balancer::new(&settings)?;
+        let balancer = settings.balancer()?;
+        let client = Arc::new(ArcSwap::from_pointee(settings.upstream_client()));
+        balancer.set_prober(Arc::new(HttpProbe::new(Arc::clone(&client))));
+        let retry_budget = Arc::new(settings.retry_budget());
         // Fixed backends are there from the start; DNS names join once `serve` resolves them.
         let discovery = settings.discovery();
         if !discovery.is_empty() {
@@ -198,7 +225,14 @@ impl Router {
         Ok(Self {
             shared: Arc::new(Shared {
                 balancer,
-                policy: ArcSwap::from_pointee(policy_of(&settings, traces.as_ref())),
+                policy: ArcSwap::from_pointee(policy_of(
+                    &settings,
+                    traces.as_ref(),
+                    client.load_full(),
+                    &retry_budget,
+                )),
+                client,
+                retry_budget,
                 traces,
                 admin: ArcSwap::from_pointee(admin_of(&settings)),
                 limits: ArcSwap::from_pointee(limits_of(&settings)),

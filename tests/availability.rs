@@ -15,7 +15,7 @@ fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
     let mut config = Config::default();
     config.strategy.name = "round-robin".to_owned();
     configure(&mut config);
-    Balancer::new(&Settings::from_config(config).unwrap()).unwrap()
+    Settings::from_config(config).unwrap().balancer().unwrap()
 }
 
 fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {

@@ -20,7 +20,7 @@ fn dashboard() -> Value {
 /// `tests/docs.rs` does: one backend with a latency sample, one sample in each histogram.
 fn exported_families() -> BTreeMap<String, String> {
     let settings = Settings::from_config(Config::default()).unwrap();
-    let balancer: Arc<Balancer> = Balancer::new(&settings).unwrap();
+    let balancer: Arc<Balancer> = settings.balancer().unwrap();
     let backends = balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
     backends[0].record_latency(0.1, 0.3);
     let metrics = balancer.metrics();

@@ -41,7 +41,7 @@ fn every_environment_variable_is_documented() {
 #[test]
 fn every_exported_metric_is_documented() {
     let settings = Settings::from_config(Config::default()).unwrap();
-    let balancer: Arc<Balancer> = Balancer::new(&settings).unwrap();
+    let balancer: Arc<Balancer> = settings.balancer().unwrap();
     let backends = balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
     backends[0].record_latency(0.1, 0.3);
     let metrics = balancer.metrics();

@@ -16,7 +16,7 @@ use tokio::time::advance;
 fn balancer() -> Arc<Balancer> {
     let mut config = Config::default();
     config.strategy.name = "queued-least-latency".to_owned();
-    Balancer::new(&Settings::from_config(config).unwrap()).unwrap()
+    Settings::from_config(config).unwrap().balancer().unwrap()
 }
 
 fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {

@@ -29,7 +29,7 @@ fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
         .params
         .insert("score".into(), figment::value::Value::from("ewma"));
     configure(&mut config);
-    Balancer::new(&Settings::from_config(config).unwrap()).unwrap()
+    Settings::from_config(config).unwrap().balancer().unwrap()
 }
 
 fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {

@@ -18,14 +18,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::StatusCode;
 use tokio::time::Instant;
 
 use super::{Balancer, Queue};
 use crate::backend::Backend;
-use crate::body::UpstreamBody;
-use crate::proxy::RequestHead;
 
 /// How an attempt's outcome bears on the backend's availability.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -218,21 +215,14 @@ impl Balancer {
     }
 
     async fn probe(&self, backend: &Arc<Backend>) -> bool {
-        let Some(path) = &self.tuning.load().health_check_path else {
+        let tuning = self.tuning.load_full();
+        let (Some(path), Some(prober)) = (&tuning.health_check_path, self.prober.get()) else {
             return true;
         };
-        let addr = backend.addr();
-        let Some(mut head) = RequestHead::probe(path) else {
-            return false;
-        };
-        let client = self.client();
-        let answer = tokio::time::timeout(
-            self.tuning.load().health_check_timeout,
-            client.send(backend, &mut head, UpstreamBody::full(Bytes::new()), true),
-        )
-        .await;
-        let passed = matches!(&answer, Ok(Ok(response)) if response.status().is_success());
-        tracing::info!(backend = %addr, passed, "readmission probe");
+        let answer =
+            tokio::time::timeout(tuning.health_check_timeout, prober.probe(backend, path)).await;
+        let passed = answer.unwrap_or(false);
+        tracing::info!(backend = %backend.addr(), passed, "readmission probe");
         passed
     }
 

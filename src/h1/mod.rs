@@ -16,6 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 pub mod client;
 pub mod fields;
+pub mod idle;
 pub mod server;
 
 pub use client::{Connection, RequestHead, ResponseStream, SendError};

@@ -52,7 +52,8 @@ use super::{
     append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked, make_room,
     parse_content_length, poll_body,
 };
-use crate::body::{BodyFailure, ClientBody, ResponseBody, Whole};
+use crate::body::{BodyFailure, ClientBody, Whole};
+use crate::observed::ResponseBody;
 use crate::response;
 
 /// Request bodies of known length up to this many bytes are read with their head.

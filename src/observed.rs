@@ -1,0 +1,257 @@
+//! The body of a proxied response, observed until its end ([`ObservedBody`]), and what the
+//! router answers with ([`ResponseBody`]).
+//!
+//! [`ObservedBody`] passes every frame through untouched (so an SSE event reaches the client as
+//! soon as the backend writes it) and finishes the request's [`Lease`] when the stream ends,
+//! fails or is dropped: end of stream records a latency sample (and puts a pooled keep-alive
+//! connection back); an upstream error records an I/O failure; a drop before the end (the client
+//! went away) records nothing but still releases the backend, and closes the connection.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{Either, Full};
+use tokio::time::Instant;
+
+use crate::access_log;
+use crate::backend::ErrorKind;
+use crate::balancer::{Finish, Lease};
+use crate::body::{BackendBody, BoxError};
+use crate::h1::client::Passthrough;
+
+/// What the router answers with: a proxied body or one it wrote itself.
+pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
+
+/// An upstream response body that finishes its lease at end of stream.
+#[derive(Debug)]
+pub struct ObservedBody {
+    inner: BackendBody,
+    lease: Option<Lease>,
+    // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
+    outcome: Finish,
+    idle: Option<IdleTimer>,
+    /// The request's access log record and trace span, finished when the body ends.
+    seen: Observation,
+}
+
+/// What is kept of a request for the access log and its trace, when either is on (both empty
+/// otherwise: nothing is allocated).
+#[derive(Debug, Default)]
+pub struct Observation {
+    /// The access log record.
+    pub log: Option<Box<access_log::Pending>>,
+    /// The server span.
+    pub span: Option<Box<crate::traces::RequestSpan>>,
+}
+
+impl Observation {
+    /// The response body's first byte came now.
+    pub fn first_byte(&mut self) {
+        if let Some(log) = self.log.as_mut() {
+            log.first_byte();
+        }
+    }
+
+    /// The response ended with `status` and `bytes` of body; `reason` says why the router
+    /// answered itself, or how the body failed.
+    pub fn finish(self, status: u16, bytes: u64, reason: Option<&'static str>) {
+        if let Some(log) = self.log {
+            log.finish(status, bytes, reason);
+        }
+        if let Some(span) = self.span {
+            span.finish(status, bytes, reason);
+        }
+    }
+}
+
+/// The upstream idle timeout of one response body: the timer is made on the body's first wait
+/// (a body that is ready with its head never makes one), and moved only when it fires.
+#[derive(Debug)]
+struct IdleTimer {
+    timeout: Duration,
+    progress_at: Option<Instant>,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl IdleTimer {
+    /// A frame came.
+    fn progressed(&mut self) {
+        if self.sleep.is_some() {
+            self.progress_at = Some(Instant::now());
+        }
+    }
+
+    /// Whether nothing came for the timeout (registers the wake-up otherwise).
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let progress_at = *self.progress_at.get_or_insert_with(Instant::now);
+        let deadline = progress_at + self.timeout;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            if sleep.deadline() >= deadline {
+                return true;
+            }
+            sleep.as_mut().reset(deadline);
+        }
+    }
+}
+
+impl Drop for ObservedBody {
+    fn drop(&mut self) {
+        // Dropped before its end: the client left mid-response, so no sample is recorded and
+        // the lease's own drop releases the backend.
+        if self.inner.is_end_stream() {
+            finish_at_end(&mut self.lease, &mut self.inner, self.outcome);
+        }
+        self.write_log();
+    }
+}
+
+/// Finishes the lease (once) with `outcome`.
+fn finish(lease: &mut Option<Lease>, outcome: Finish) {
+    if let Some(lease) = lease.take() {
+        lease.finish(outcome);
+    }
+}
+
+/// The body was read to its end: puts the connection back on its backend's idle stack (before
+/// the lease lets a queued request go, so that request finds it), then finishes the lease.
+fn finish_at_end(lease: &mut Option<Lease>, body: &mut BackendBody, outcome: Finish) {
+    let Some(lease) = lease.take() else { return };
+    // One reading of the clock serves the idle connection and the lease.
+    let now = Instant::now();
+    if let Some(connection) = body.take_connection() {
+        lease.backend().connections().put(connection, now);
+    }
+    lease.finish_at(outcome, now);
+}
+
+impl ObservedBody {
+    /// The response's end-to-end header lines and what they say, when the fields of a
+    /// plain-HTTP backend's response were left as the lines it sent (the response's map then
+    /// holds only what the router added).
+    pub fn field_lines(&self) -> Option<(&[u8], &Passthrough)> {
+        match &self.inner {
+            BackendBody::Pooled(stream) => Some((stream.field_lines()?, stream.passthrough()?)),
+            BackendBody::Tls(_) => None,
+        }
+    }
+
+    /// Wraps `inner`, finishing `lease` when it ends; a pooled connection goes back to the
+    /// backend's idle connections if the body is read to its end.
+    pub fn new(
+        inner: BackendBody,
+        lease: Lease,
+        status: StatusCode,
+        retry_after: Option<Duration>,
+    ) -> Self {
+        Self {
+            inner,
+            lease: Some(lease),
+            outcome: Finish {
+                status: Some(status),
+                error: None,
+                retry_after,
+                bytes: 0,
+            },
+            idle: None,
+            seen: Observation::default(),
+        }
+    }
+
+    /// Finishes `seen` when the body ends, fails or is dropped.
+    pub fn observe(&mut self, seen: Observation) {
+        self.seen = seen;
+    }
+
+    fn write_log(&mut self) {
+        let seen = std::mem::take(&mut self.seen);
+        if seen.log.is_some() || seen.span.is_some() {
+            let status = self.outcome.status.map_or(0, |status| status.as_u16());
+            let failure = self.outcome.error.map(ErrorKind::as_str);
+            seen.finish(status, self.outcome.bytes, failure);
+        }
+    }
+
+    /// Fails the body when the backend sends nothing for `timeout` (`None`: no limit).
+    pub fn set_idle_timeout(&mut self, timeout: Option<Duration>) {
+        self.idle = timeout.map(|timeout| IdleTimer {
+            timeout,
+            progress_at: None,
+            sleep: None,
+        });
+    }
+}
+
+impl Body for ObservedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) else {
+            if this.idle.as_mut().is_some_and(|idle| idle.stalled(cx)) {
+                this.idle = None;
+                this.outcome.error = Some(ErrorKind::IdleTimeout);
+                this.outcome.retry_after = None;
+                finish(&mut this.lease, this.outcome);
+                let error = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the backend sent nothing for upstream_idle_timeout",
+                );
+                return Poll::Ready(Some(Err(Box::new(error))));
+            }
+            return Poll::Pending;
+        };
+        if let Some(idle) = this.idle.as_mut() {
+            idle.progressed();
+        }
+        if let Some(Ok(frame)) = frame.as_ref() {
+            if frame.is_data() {
+                this.seen.first_byte();
+            }
+        }
+        match &frame {
+            Some(Ok(frame)) => {
+                let end = this.inner.is_end_stream();
+                if let (Some(lease), Some(data)) = (this.lease.as_mut(), frame.data_ref()) {
+                    // A body that ends here has its first byte noted by the lease's end.
+                    if !end {
+                        lease.mark_first_byte();
+                    }
+                    this.outcome.bytes += data.len() as u64;
+                }
+                if end {
+                    finish_at_end(&mut this.lease, &mut this.inner, this.outcome);
+                }
+            }
+            Some(Err(_)) => {
+                this.outcome.error = Some(ErrorKind::Io);
+                this.outcome.retry_after = None;
+                finish(&mut this.lease, this.outcome);
+            }
+            None => finish_at_end(&mut this.lease, &mut this.inner, this.outcome),
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -12,8 +12,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::h1::client::Passthrough;
-use crate::h1::server::RequestStream;
+use crate::h1::server::RequestBody as H1Body;
 use crate::h1::{Connection, ResponseStream};
 
 /// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`]), or from
@@ -27,15 +26,6 @@ pub enum BackendBody {
 }
 
 impl BackendBody {
-    /// What the response's field lines say, when a plain-HTTP backend's fields were left as
-    /// lines ([`crate::h1::client`]).
-    pub fn passthrough(&self) -> Option<&Passthrough> {
-        match self {
-            BackendBody::Pooled(stream) => stream.passthrough(),
-            BackendBody::Tls(_) => None,
-        }
-    }
-
     /// The pooled connection, once the body was read to its end and the connection is reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
         match self {
@@ -78,8 +68,7 @@ impl Body for BackendBody {
     }
 }
 
-/// A body error, boxed.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::h1::BoxError;
 
 /// Why a client's request body could not be read to its end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,10 +138,8 @@ impl Body for Whole {
 /// from hyper (HTTP/2 connections).
 #[derive(Debug)]
 pub enum ClientBody {
-    /// The whole body, read with the head.
-    Full(Whole),
-    /// Read from the HTTP/1 connection as it is polled.
-    Streaming(RequestStream),
+    /// From the HTTP/1 server: read whole with the head, or from the connection as polled.
+    H1(H1Body),
     /// From hyper's server.
     Hyper(Incoming),
 }
@@ -160,7 +147,7 @@ pub enum ClientBody {
 impl ClientBody {
     /// An empty body.
     pub fn empty() -> Self {
-        ClientBody::Full(Whole::default())
+        ClientBody::H1(H1Body::Whole(None))
     }
 }
 
@@ -173,10 +160,7 @@ impl Body for ClientBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            ClientBody::Full(whole) => Pin::new(whole)
-                .poll_frame(cx)
-                .map_err(|never| match never {}),
-            ClientBody::Streaming(stream) => Pin::new(stream)
+            ClientBody::H1(body) => Pin::new(body)
                 .poll_frame(cx)
                 .map_err(|error| Box::new(error) as BoxError),
             ClientBody::Hyper(incoming) => Pin::new(incoming)
@@ -187,16 +171,14 @@ impl Body for ClientBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            ClientBody::Full(whole) => whole.is_end_stream(),
-            ClientBody::Streaming(stream) => stream.is_end_stream(),
+            ClientBody::H1(body) => body.is_end_stream(),
             ClientBody::Hyper(incoming) => incoming.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            ClientBody::Full(whole) => whole.size_hint(),
-            ClientBody::Streaming(stream) => stream.size_hint(),
+            ClientBody::H1(body) => body.size_hint(),
             ClientBody::Hyper(incoming) => incoming.size_hint(),
         }
     }
@@ -229,6 +211,16 @@ impl UpstreamBody {
             UpstreamBody::Full(whole) => whole.bytes(),
             UpstreamBody::Streaming { .. } => None,
         }
+    }
+}
+
+impl crate::h1::OutgoingBody for UpstreamBody {
+    fn is_whole(&self) -> bool {
+        matches!(self, UpstreamBody::Full(_))
+    }
+
+    fn in_memory(&self) -> Option<&Bytes> {
+        UpstreamBody::in_memory(self)
     }
 }
 

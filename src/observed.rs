@@ -22,7 +22,6 @@ use crate::access_log;
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
 use crate::body::{BackendBody, BoxError};
-use crate::h1::client::Passthrough;
 
 /// What the router answers with: a proxied body or one it wrote itself.
 pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
@@ -136,16 +135,6 @@ fn finish_at_end(lease: &mut Option<Lease>, body: &mut BackendBody, outcome: Fin
 }
 
 impl ObservedBody {
-    /// The response's end-to-end header lines and what they say, when the fields of a
-    /// plain-HTTP backend's response were left as the lines it sent (the response's map then
-    /// holds only what the router added).
-    pub fn field_lines(&self) -> Option<(&[u8], &Passthrough)> {
-        match &self.inner {
-            BackendBody::Pooled(stream) => Some((stream.field_lines()?, stream.passthrough()?)),
-            BackendBody::Tls(_) => None,
-        }
-    }
-
     /// Wraps `inner`, finishing `lease` when it ends; a pooled connection goes back to the
     /// backend's idle connections if the body is read to its end.
     pub fn new(

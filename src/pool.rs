@@ -80,7 +80,7 @@ pub async fn send(
 
 fn answered(
     backend: &Backend,
-    sent: Result<Response<ResponseStream>, SendError>,
+    sent: Result<Response<ResponseStream>, SendError<UpstreamBody>>,
 ) -> Result<Response<ResponseStream>, Failure> {
     match sent {
         Ok(response) => Ok(response),

@@ -457,12 +457,10 @@ async fn h2_preface(stream: &TcpStream) -> Option<bool> {
 /// Puts the field lines a plain-HTTP backend sent into the response's map, for hyper to write
 /// (the router's HTTP/1 server writes the lines as they are).
 fn fields_into_map(answer: &mut Response<ResponseBody>) {
-    let http_body_util::Either::Left(observed) = answer.body() else {
+    let Some(passthrough) = answer.extensions_mut().remove::<h1::client::Passthrough>() else {
         return;
     };
-    let Some((lines, _)) = observed.field_lines() else {
-        return;
-    };
+    let lines = &passthrough.lines;
     let mut fields = Vec::new();
     for line in lines.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
@@ -520,12 +518,19 @@ struct Routes {
 }
 
 impl h1::server::Handler for Routes {
+    type Body = ResponseBody;
+
     fn call(
         &self,
-        request: Request<ClientBody>,
+        request: Request<h1::server::RequestBody>,
         fields: Option<FieldLines>,
     ) -> impl Future<Output = Response<ResponseBody>> {
-        route(&self.shared, request, fields, &self.client)
+        route(
+            &self.shared,
+            request.map(ClientBody::H1),
+            fields,
+            &self.client,
+        )
     }
 }
 

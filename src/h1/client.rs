@@ -35,11 +35,10 @@ use tokio::net::tcp::{ReadHalf, WriteHalf};
 
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
-    Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, READ_BUFFER, Span, append_chunk,
-    append_chunk_size, append_field, append_last_chunk, apply_connection, digits, field_spans,
-    hop_by_hop, invalid, is_chunked, make_room, parse_content_length, poll_body,
+    BoxError, Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, OutgoingBody, READ_BUFFER, Span,
+    append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection, digits,
+    field_spans, hop_by_hop, invalid, is_chunked, make_room, parse_content_length, poll_body,
 };
-use crate::body::UpstreamBody;
 
 /// A body in memory up to this size is copied behind the head and sent in the same write.
 const COALESCE_BODY: usize = 16 * 1024;
@@ -51,20 +50,20 @@ pub struct Connection {
     read: BytesMut,
     write: Vec<u8>,
     /// The last response's end-to-end header lines, as the backend sent them.
-    fields: Vec<u8>,
+    fields: BytesMut,
 }
 
 /// Why a request got no response.
 #[derive(Debug)]
-pub enum SendError {
+pub enum SendError<B> {
     /// Not a byte of the request could be written: the connection had been closed. The body
     /// is handed back untouched, to be sent on another connection.
-    Unsent(UpstreamBody),
+    Unsent(B),
     /// The exchange failed (the request may have reached the backend).
     Failed(io::Error),
     /// The request body failed (the client left, stalled or sent a malformed body): the
     /// exchange was abandoned at once and the connection closed.
-    Body(crate::body::BoxError),
+    Body(BoxError),
 }
 
 impl Connection {
@@ -74,7 +73,7 @@ impl Connection {
             stream,
             read: BytesMut::with_capacity(READ_BUFFER),
             write: Vec::with_capacity(1024),
-            fields: Vec::with_capacity(512),
+            fields: BytesMut::with_capacity(512),
         }
     }
 
@@ -116,12 +115,12 @@ impl Connection {
     /// owns the connection until it was read to its end.
     ///
     /// Writes after the first must make progress within `stall`, when set.
-    pub async fn send(
+    pub async fn send<B: OutgoingBody>(
         mut self,
         head: &RequestHead<'_>,
-        mut body: UpstreamBody,
+        mut body: B,
         stall: Option<Duration>,
-    ) -> Result<Response<ResponseStream>, SendError> {
+    ) -> Result<Response<ResponseStream>, SendError<B>> {
         let chunked = encode_head(&mut self.write, head, &body);
         let head_request = *head.method == Method::HEAD;
         // A body in memory goes behind the head, in the same write when it is small.
@@ -141,9 +140,7 @@ impl Connection {
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => 0,
             Err(_) => return Err(SendError::Unsent(body)),
         };
-        let whole = written == self.write.len()
-            && rest_of_body.is_none()
-            && matches!(body, UpstreamBody::Full(_));
+        let whole = written == self.write.len() && rest_of_body.is_none() && body.is_whole();
         let outcome = if whole {
             let (mut reader, _) = self.stream.split();
             Outcome::Answered(
@@ -198,21 +195,25 @@ impl Connection {
                     connection: Some(self),
                     framing: answer.framing,
                     keep_alive,
-                    passthrough: answer.passthrough,
                 });
                 *response.status_mut() = answer.status;
                 *response.version_mut() = answer.version;
                 *response.headers_mut() = answer.headers;
+                if let Some(passthrough) = answer.passthrough {
+                    response.extensions_mut().insert(passthrough);
+                }
                 Ok(response)
             }
         }
     }
 }
 
+// Made and matched once per exchange: boxing the head would allocate per request.
+#[allow(clippy::large_enum_variant)]
 enum Outcome {
     Unsent,
     /// The request body failed.
-    BodyFailed(crate::body::BoxError),
+    BodyFailed(BoxError),
     /// The response head (or why there is none), and whether the whole request was sent.
     Answered(io::Result<Head>, bool),
 }
@@ -223,7 +224,7 @@ enum WriteError {
     /// Part of the request may have been sent.
     Io(io::Error),
     /// The request body (the client's side) failed.
-    Body(crate::body::BoxError),
+    Body(BoxError),
     /// The backend took nothing of the request for the stall limit.
     Stalled,
 }
@@ -261,7 +262,7 @@ pub enum HeadFields<'a> {
 }
 
 /// Writes the request head into `out`; returns whether the body goes out chunked.
-fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -> bool {
+fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBody) -> bool {
     out.clear();
     out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
@@ -296,18 +297,15 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &UpstreamBody) -
         }
     }
     if !chunked && !sized {
-        match body {
-            UpstreamBody::Full(whole) => {
-                let length = whole.bytes().map_or(0, Bytes::len);
-                if length > 0 {
-                    let length = digits::<10>(length as u64);
-                    append_field(out, b"content-length", length.as_bytes());
-                }
+        if body.is_whole() {
+            let length = body.in_memory().map_or(0, Bytes::len);
+            if length > 0 {
+                let length = digits::<10>(length as u64);
+                append_field(out, b"content-length", length.as_bytes());
             }
-            UpstreamBody::Streaming { .. } => {
-                out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-                chunked = true;
-            }
+        } else {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+            chunked = true;
         }
     }
     out.extend_from_slice(b"\r\n");
@@ -332,7 +330,7 @@ struct Pending<'a> {
 async fn write_request(
     writer: &mut WriteHalf<'_>,
     pending: Pending<'_>,
-    body: &mut UpstreamBody,
+    body: &mut impl OutgoingBody,
     chunked: bool,
     stall: Option<Duration>,
 ) -> Result<(), WriteError> {
@@ -347,7 +345,7 @@ async fn write_request(
     if let Some(bytes) = pending.rest_of_body {
         return bounded(stall, writer.write_all(&bytes)).await;
     }
-    if let UpstreamBody::Full(_) = body {
+    if body.is_whole() {
         return Ok(());
     }
     // Chunk framing is written into its own small buffer (streamed bodies are rare).
@@ -421,10 +419,13 @@ struct Head {
     keep_alive: bool,
 }
 
-/// What the proxy and the client side need to know of response fields left as the lines the
-/// backend sent ([`ResponseStream::field_lines`]).
+/// A response's end-to-end fields as the lines the backend sent (hop-by-hop ones and the length
+/// left out), carried as an extension of the response: the server side writes them as they are,
+/// after the map's fields, and the proxy reads what it needs of them here.
 #[derive(Debug, Clone, Default)]
 pub struct Passthrough {
+    /// `name: value\r\n` each.
+    pub lines: Bytes,
     /// The lines include a `Date`.
     pub has_date: bool,
     /// The `Content-Type` value.
@@ -437,7 +438,7 @@ pub struct Passthrough {
 async fn read_head(
     reader: &mut ReadHalf<'_>,
     buffer: &mut BytesMut,
-    lines: &mut Vec<u8>,
+    lines: &mut BytesMut,
     head_request: bool,
 ) -> io::Result<Head> {
     loop {
@@ -475,7 +476,7 @@ async fn read_head(
 fn parse_head(
     buffer: &mut BytesMut,
     head_request: bool,
-    mut lines: Option<&mut Vec<u8>>,
+    mut lines: Option<&mut BytesMut>,
 ) -> io::Result<Option<Head>> {
     let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
     let mut spans: [Span; MAX_HEADERS] = [(0, 0, 0, 0); MAX_HEADERS];
@@ -572,7 +573,10 @@ fn parse_head(
     let mut headers = HeaderMap::new();
     let mut passthrough = None;
     match lines {
-        Some(_) if !connection_names_fields => passthrough = Some(seen),
+        Some(lines) if !connection_names_fields => {
+            seen.lines = lines.split().freeze();
+            passthrough = Some(seen);
+        }
         _ => {
             // Hop-by-hop fields are left out of the map, unless `Connection` names other fields:
             // then it stays, for the proxy to remove it and the fields it names.
@@ -629,22 +633,9 @@ pub struct ResponseStream {
     connection: Option<Connection>,
     framing: Framing,
     keep_alive: bool,
-    passthrough: Option<Passthrough>,
 }
 
 impl ResponseStream {
-    /// What the response's field lines say, when its fields were left as lines (the response
-    /// head's map is then empty).
-    pub fn passthrough(&self) -> Option<&Passthrough> {
-        self.passthrough.as_ref()
-    }
-
-    /// The response's end-to-end header lines (`name: value\r\n` each), when its fields were
-    /// left as lines; valid until the body was read to its end.
-    pub fn field_lines(&self) -> Option<&[u8]> {
-        self.passthrough.as_ref()?;
-        Some(&self.connection.as_ref()?.fields)
-    }
     /// The connection, once the body was read to its end and the exchange left it reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
         // A body known to be empty (`HEAD`, 204, 304, `Content-Length: 0`) may never be polled.
@@ -798,16 +789,16 @@ mod tests {
     #[test]
     fn fields_left_as_lines_drop_hop_by_hop_and_framing_and_say_what_the_proxy_reads() {
         let head = b"HTTP/1.1 429 Too Many Requests\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nContent-Length: 5\r\nDate: Mon, 30 Nov 2026 10:00:00 GMT\r\nContent-Type: text/event-stream\r\nRetry-After: 3\r\nX-A: 1\r\n\r\n";
-        let mut lines = Vec::new();
+        let mut lines = BytesMut::new();
         let parsed = parse_head(&mut BytesMut::from(&head[..]), false, Some(&mut lines))
             .unwrap()
             .unwrap();
         assert!(parsed.headers.is_empty());
+        let fields = parsed.passthrough.unwrap();
         assert_eq!(
-            String::from_utf8(lines.clone()).unwrap(),
+            String::from_utf8(fields.lines.to_vec()).unwrap(),
             "Date: Mon, 30 Nov 2026 10:00:00 GMT\r\nContent-Type: text/event-stream\r\nRetry-After: 3\r\nX-A: 1\r\n"
         );
-        let fields = parsed.passthrough.unwrap();
         assert!(fields.has_date);
         assert_eq!(
             fields.content_type.as_deref(),
@@ -819,7 +810,8 @@ mod tests {
         let parsed = parse_head(&mut BytesMut::from(&head[..]), true, Some(&mut lines))
             .unwrap()
             .unwrap();
-        assert!(String::from_utf8_lossy(&lines).contains("Content-Length: 5\r\n"));
+        let fields = parsed.passthrough.unwrap();
+        assert!(String::from_utf8_lossy(&fields.lines).contains("Content-Length: 5\r\n"));
         assert_eq!(parsed.framing, Framing::Length(0));
         let named = b"HTTP/1.1 200 OK\r\nConnection: x-a\r\nX-A: 1\r\ncontent-length: 0\r\n\r\n";
         let parsed = parse_head(&mut BytesMut::from(&named[..]), false, Some(&mut lines))

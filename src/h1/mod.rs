@@ -20,6 +20,19 @@ pub mod idle;
 pub mod server;
 
 pub use client::{Connection, RequestHead, ResponseStream, SendError};
+
+/// A body error, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A request body the client side sends: whole in memory (it goes out with its length, in the
+/// same write as the head when small), or streamed (chunked unless the head gives a length).
+pub trait OutgoingBody: http_body::Body<Data = Bytes, Error = BoxError> + Unpin {
+    /// Whether the whole body is in memory.
+    fn is_whole(&self) -> bool;
+
+    /// The bytes of a whole body, unless it is empty or was sent.
+    fn in_memory(&self) -> Option<&Bytes>;
+}
 pub use fields::{FieldLines, Fields};
 
 /// Largest response head (or trailer block) accepted from a backend, in bytes.
@@ -71,11 +84,11 @@ impl Digits {
 }
 
 /// Appends the field line `name: value`.
-pub(crate) fn append_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
+pub(crate) fn append_field(out: &mut impl bytes::BufMut, name: &[u8], value: &[u8]) {
+    out.put_slice(name);
+    out.put_slice(b": ");
+    out.put_slice(value);
+    out.put_slice(b"\r\n");
 }
 
 /// Appends the size line of a chunk of `length` bytes.

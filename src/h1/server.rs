@@ -46,15 +46,13 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 
+use super::client::Passthrough;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
     Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, append_chunk, append_field,
     append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked, make_room,
     parse_content_length, poll_body,
 };
-use crate::body::{BodyFailure, ClientBody, Whole};
-use crate::observed::ResponseBody;
-use crate::response;
 
 /// Request bodies of known length up to this many bytes are read with their head.
 pub const READ_WHOLE: u64 = 64 * 1024;
@@ -163,14 +161,111 @@ enum Refusal {
 /// What answers the requests of a connection.
 ///
 /// The answer's future may borrow the handler, which lives as long as the connection: it is
-/// built right in the connection's state, with no future of its own around it.
+/// built right in the connection's state, with no future of its own around it. An answer whose
+/// extensions hold [`Passthrough`] field lines (a plain-HTTP backend's, as it sent them) has
+/// them written after its map's fields.
 pub trait Handler {
+    /// The answers' body.
+    type Body: Body<Data = Bytes> + Unpin;
+
     /// The answer to `request`; its map is empty when its `fields` are kept as lines.
     fn call(
         &self,
-        request: Request<ClientBody>,
+        request: Request<RequestBody>,
         fields: Option<FieldLines>,
-    ) -> impl Future<Output = Response<ResponseBody>>;
+    ) -> impl Future<Output = Response<Self::Body>>;
+}
+
+/// A request body: read whole with the head, or read from the connection as it is polled.
+#[derive(Debug)]
+pub enum RequestBody {
+    /// The whole body (`None` once handed out, or when there is none).
+    Whole(Option<Bytes>),
+    /// Read from the connection as it is polled.
+    Streaming(RequestStream),
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match self.get_mut() {
+            RequestBody::Whole(bytes) => Poll::Ready(
+                bytes
+                    .take()
+                    .filter(|bytes| !bytes.is_empty())
+                    .map(|bytes| Ok(Frame::data(bytes))),
+            ),
+            RequestBody::Streaming(stream) => Pin::new(stream).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Whole(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
+            RequestBody::Streaming(stream) => stream.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Whole(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+            }
+            RequestBody::Streaming(stream) => stream.size_hint(),
+        }
+    }
+}
+
+/// Why a request body could not be read with its head.
+enum BodyError {
+    /// Nothing came for the body timeout.
+    TimedOut,
+    /// The connection ended or failed.
+    Broken,
+}
+
+/// A refusal the server writes itself: `{"error": message}` with `status`, then the connection
+/// closes.
+fn refusal(out: &mut Vec<u8>, status: StatusCode, message: &str) {
+    let mut body = Vec::with_capacity(message.len() + 12);
+    body.extend_from_slice(b"{\"error\":");
+    json_string(&mut body, message);
+    body.push(b'}');
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+    out.extend_from_slice(digits::<10>(body.len() as u64).as_bytes());
+    out.extend_from_slice(b"\r\nconnection: close\r\ndate: ");
+    append_date(out);
+    out.extend_from_slice(b"\r\n\r\n");
+    out.extend_from_slice(&body);
+}
+
+/// Appends `text` as a JSON string.
+fn json_string(out: &mut Vec<u8>, text: &str) {
+    out.push(b'"');
+    for ch in text.chars() {
+        match ch {
+            '"' => out.extend_from_slice(b"\\\""),
+            '\\' => out.extend_from_slice(b"\\\\"),
+            ch if (ch as u32) < 0x20 => {
+                out.extend_from_slice(format!("\\u{:04x}", ch as u32).as_bytes());
+            }
+            ch => {
+                let mut buffer = [0u8; 4];
+                out.extend_from_slice(ch.encode_utf8(&mut buffer).as_bytes());
+            }
+        }
+    }
+    out.push(b'"');
 }
 
 /// Serves one client connection with `handler` until it ends (see the module documentation).
@@ -194,9 +289,8 @@ pub async fn serve<H: Handler>(
             Ok(head) => head,
             Err(Refusal::Quiet) => return,
             Err(Refusal::Answer(status, message)) => {
-                let answer = response::error(status, message);
-                let _ =
-                    write_response(&mut writer, &mut out, answer, Written::closing(), None).await;
+                refusal(&mut out, status, message);
+                let _ = writer.write_all(&out).await;
                 return;
             }
         };
@@ -221,17 +315,20 @@ pub async fn serve<H: Handler>(
         // The reading side stays here when the body was read with the head; a streamed body takes
         // it and leaves it in the slot at its end.
         let (body, mut held) = match body {
-            BodyLength::Length(0) => (ClientBody::empty(), Some(input)),
+            BodyLength::Length(0) => (RequestBody::Whole(None), Some(input)),
             BodyLength::Length(length) if length <= READ_WHOLE => {
                 match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
-                    Ok(bytes) => (ClientBody::Full(Whole::new(bytes)), Some(input)),
-                    Err(BodyFailure::TimedOut) => {
-                        let answer = response::body_failure(BodyFailure::TimedOut);
-                        let closing = Written::closing();
-                        let _ = write_response(&mut writer, &mut out, answer, closing, None).await;
+                    Ok(bytes) => (RequestBody::Whole(Some(bytes)), Some(input)),
+                    Err(BodyError::TimedOut) => {
+                        refusal(
+                            &mut out,
+                            StatusCode::REQUEST_TIMEOUT,
+                            "the client sent no request body bytes for body_read_timeout",
+                        );
+                        let _ = writer.write_all(&out).await;
                         return;
                     }
-                    Err(BodyFailure::Broken) => return,
+                    Err(BodyError::Broken) => return,
                 }
             }
             length => {
@@ -248,7 +345,7 @@ pub async fn serve<H: Handler>(
                     progress_at: tokio::time::Instant::now(),
                     timer: None,
                 };
-                (ClientBody::Streaming(stream), None)
+                (RequestBody::Streaming(stream), None)
             }
         };
         let answer = pin!(handler.call(request.map(|()| body), fields));
@@ -282,13 +379,13 @@ pub async fn serve<H: Handler>(
 /// first. The reading side is `input`, or, while a streamed request body holds it, is watched
 /// from when the body leaves it in `slot`. Bytes the client sends meanwhile (a pipelined
 /// request) are kept for later.
-async fn answer_unless_gone<F>(
+async fn answer_unless_gone<F, B>(
     mut answer: Pin<&mut F>,
     input: &mut Option<Inbound>,
     slot: Option<&Slot>,
-) -> Option<Response<ResponseBody>>
+) -> Option<Response<B>>
 where
-    F: Future<Output = Response<ResponseBody>>,
+    F: Future<Output = Response<B>>,
 {
     let mut watching = true;
     loop {
@@ -341,14 +438,14 @@ async fn read_whole(
     input: &mut Inbound,
     length: usize,
     timeout: Duration,
-) -> Result<Bytes, BodyFailure> {
+) -> Result<Bytes, BodyError> {
     while input.buffer.len() < length {
         if input.buffer.capacity() < length {
             input.buffer.reserve(length - input.buffer.len());
         }
         match tokio::time::timeout(timeout, input.fill()).await {
-            Err(_) => return Err(BodyFailure::TimedOut),
-            Ok(Ok(0) | Err(_)) => return Err(BodyFailure::Broken),
+            Err(_) => return Err(BodyError::TimedOut),
+            Ok(Ok(0) | Err(_)) => return Err(BodyError::Broken),
             Ok(Ok(_)) => {}
         }
     }
@@ -661,17 +758,6 @@ struct Written {
     close: bool,
 }
 
-impl Written {
-    /// A response after which the connection closes (a refusal).
-    fn closing() -> Self {
-        Self {
-            head_request: false,
-            http10: false,
-            close: true,
-        }
-    }
-}
-
 /// How a response body is delimited on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outgoing {
@@ -684,10 +770,10 @@ enum Outgoing {
 /// Writes `answer`; `Ok(true)` when the connection may serve another request. `close` says the
 /// connection ends after this response (it then says `Connection: close`); an HTTP/1.0 client
 /// gets a body of unknown length delimited by the end of the connection.
-async fn write_response(
+async fn write_response<B: Body<Data = Bytes> + Unpin>(
     writer: &mut OwnedWriteHalf,
     out: &mut Vec<u8>,
-    answer: Response<ResponseBody>,
+    answer: Response<B>,
     written: Written,
     mut input: Option<&mut Inbound>,
 ) -> io::Result<bool> {
@@ -733,12 +819,10 @@ async fn write_response(
         }
         append_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    if let http_body_util::Either::Left(observed) = &body {
+    if let Some(fields) = parts.extensions.get::<Passthrough>() {
         // A plain-HTTP backend's fields, as it sent them.
-        if let Some((lines, fields)) = observed.field_lines() {
-            out.extend_from_slice(lines);
-            dated |= fields.has_date;
-        }
+        out.extend_from_slice(&fields.lines);
+        dated |= fields.has_date;
     }
     if !dated {
         out.extend_from_slice(b"date: ");
@@ -833,7 +917,6 @@ async fn write_response(
             Err(frame) => {
                 if let (Ok(trailers), Outgoing::Chunked) = (frame.into_trailers(), framing) {
                     append_last_chunk(out, Some(&trailers));
-                    body = ResponseBody::Right(http_body_util::Full::new(Bytes::new()));
                     break;
                 }
                 continue;
@@ -1171,12 +1254,16 @@ mod tests {
     struct Answer;
 
     impl Handler for Answer {
+        type Body = http_body_util::Full<Bytes>;
+
         fn call(
             &self,
-            _request: Request<ClientBody>,
+            _request: Request<RequestBody>,
             _fields: Option<FieldLines>,
-        ) -> impl Future<Output = Response<ResponseBody>> {
-            std::future::ready(response::error(StatusCode::OK, "answered"))
+        ) -> impl Future<Output = Response<Self::Body>> {
+            std::future::ready(Response::new(http_body_util::Full::new(Bytes::from(
+                "answered",
+            ))))
         }
     }
 

@@ -29,10 +29,9 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
+use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
 use crate::strategies::{Outcome, RequestInfo, Strategy};
-
-use availability::Verdict;
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -547,10 +546,9 @@ impl Balancer {
         first_byte: Option<Duration>,
         streamed: bool,
     ) -> bool {
-        let failed = finish.error.is_some()
-            || finish
-                .status
-                .is_some_and(|s| s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS);
+        // The attempt's class, judged once: the sample, the strategy and availability read it.
+        let class = Class::of(finish.status, finish.error, finish.retry_after);
+        let failed = class.counts_as_failed();
         let measured = latency.as_secs_f64();
         // A failure must never look fast: it counts at least as the latency threshold.
         let sample = if failed {
@@ -577,10 +575,7 @@ impl Balancer {
             },
         );
         self.metrics.request_duration.record(measured, &[]);
-        self.apply_verdict(
-            backend,
-            Verdict::of(finish.status, finish.error.is_some(), finish.retry_after),
-        );
+        self.apply_class(backend, class);
         failed
     }
 }

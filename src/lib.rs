@@ -11,6 +11,7 @@ pub mod backend;
 pub mod balancer;
 pub mod body;
 pub mod cidr;
+pub mod classify;
 pub mod config;
 pub mod discovery;
 pub mod forwarding;

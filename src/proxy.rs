@@ -20,6 +20,7 @@ use crate::access_log::{self, AccessLog};
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{BodyFailure, ClientBody, RequestBody, UpstreamBody};
+use crate::classify::Class;
 use crate::forwarding::{ForwardedFor, HeadFields, RequestHead, remove_hop_by_hop};
 use crate::h1::{self, FieldLines, Fields};
 use crate::metrics::RetryReason;
@@ -92,11 +93,6 @@ fn is_event_stream(content_type: &[u8]) -> bool {
     content_type.starts_with(b"text/event-stream")
 }
 
-fn is_busy(status: StatusCode, retry_after: Option<Duration>) -> bool {
-    status == StatusCode::TOO_MANY_REQUESTS
-        || (status == StatusCode::SERVICE_UNAVAILABLE && retry_after.is_some())
-}
-
 /// Sends one attempt to the leased backend.
 async fn attempt(
     client: &UpstreamClient,
@@ -140,7 +136,7 @@ async fn attempt(
             };
             let retry_after = retry_after.and_then(retry_after_value);
             let event_stream = content_type.is_some_and(is_event_stream);
-            if may_retry_busy && is_busy(status, retry_after) {
+            if may_retry_busy && Class::of(Some(status), None, retry_after).is_busy() {
                 lease.finish(Finish {
                     status: Some(status),
                     error: None,

@@ -18,61 +18,26 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http::StatusCode;
 use tokio::time::Instant;
 
 use super::{Balancer, Queue};
 use crate::backend::Backend;
-
-/// How an attempt's outcome bears on the backend's availability.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Verdict {
-    /// Success or a client error: ends a run of failures.
-    Healthy,
-    /// Counts towards ejection.
-    Failure,
-    /// Busy: pause for this long, not a failure.
-    Busy(Duration),
-    /// Neither: another 5xx (501, 505, ...) leaves the run of failures as it is.
-    Neutral,
-}
-
-/// Default pause for a 429 without `Retry-After`.
-const DEFAULT_BUSY_PAUSE: Duration = Duration::from_secs(1);
-
-impl Verdict {
-    pub(crate) fn of(
-        status: Option<StatusCode>,
-        failed_in_transit: bool,
-        retry_after: Option<Duration>,
-    ) -> Self {
-        if failed_in_transit {
-            return Verdict::Failure;
-        }
-        match status.map(|s| s.as_u16()) {
-            Some(429) => Verdict::Busy(retry_after.unwrap_or(DEFAULT_BUSY_PAUSE)),
-            Some(503) => retry_after.map_or(Verdict::Failure, Verdict::Busy),
-            Some(500 | 502 | 504) => Verdict::Failure,
-            Some(501..=599) => Verdict::Neutral,
-            _ => Verdict::Healthy,
-        }
-    }
-}
+use crate::classify::Class;
 
 impl Balancer {
-    /// Applies an outcome's verdict to `backend`.
-    pub(super) fn apply_verdict(self: &Arc<Self>, backend: &Arc<Backend>, verdict: Verdict) {
-        match verdict {
-            Verdict::Healthy => backend.reset_failures_in_a_row(),
-            Verdict::Failure => {
+    /// Applies what an attempt's class means for `backend`'s availability: success or a client
+    /// error ends a run of failures, a failure counts towards ejection, a busy answer pauses,
+    /// another 5xx leaves the run as it is.
+    pub(super) fn apply_class(self: &Arc<Self>, backend: &Arc<Backend>, class: Class) {
+        match class {
+            Class::Success | Class::ClientError => backend.reset_failures_in_a_row(),
+            Class::Failure(_) => {
                 if backend.record_failure_in_a_row() >= self.tuning.load().consecutive_failures {
                     self.eject(backend);
                 }
             }
-            Verdict::Busy(pause) => {
-                self.pause(backend, pause.min(self.tuning.load().max_busy_pause))
-            }
-            Verdict::Neutral => {}
+            Class::Busy(pause) => self.pause(backend, pause.min(self.tuning.load().max_busy_pause)),
+            Class::Neutral => {}
         }
     }
 
@@ -267,67 +232,5 @@ impl Balancer {
         };
         let weight = from.elapsed().as_secs_f64() / window.as_secs_f64();
         weight >= 1.0 || fastrand::f64() < weight.max(0.1)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn verdicts_follow_the_status_and_retry_after() {
-        let ra = Some(Duration::from_secs(2));
-        let two_seconds = Verdict::Busy(Duration::from_secs(2));
-        let cases = [
-            (Some(StatusCode::OK), false, None, Verdict::Healthy),
-            (Some(StatusCode::NOT_FOUND), false, None, Verdict::Healthy),
-            (
-                Some(StatusCode::INTERNAL_SERVER_ERROR),
-                false,
-                None,
-                Verdict::Failure,
-            ),
-            (Some(StatusCode::BAD_GATEWAY), false, None, Verdict::Failure),
-            (
-                Some(StatusCode::GATEWAY_TIMEOUT),
-                false,
-                None,
-                Verdict::Failure,
-            ),
-            (
-                Some(StatusCode::SERVICE_UNAVAILABLE),
-                false,
-                None,
-                Verdict::Failure,
-            ),
-            (
-                Some(StatusCode::SERVICE_UNAVAILABLE),
-                false,
-                ra,
-                two_seconds,
-            ),
-            (Some(StatusCode::TOO_MANY_REQUESTS), false, ra, two_seconds),
-            (
-                Some(StatusCode::TOO_MANY_REQUESTS),
-                false,
-                None,
-                Verdict::Busy(DEFAULT_BUSY_PAUSE),
-            ),
-            (
-                Some(StatusCode::NOT_IMPLEMENTED),
-                false,
-                None,
-                Verdict::Neutral,
-            ),
-            (None, true, None, Verdict::Failure),
-            (Some(StatusCode::OK), true, None, Verdict::Failure),
-        ];
-        for (status, failed, retry_after, expected) in cases {
-            assert_eq!(
-                Verdict::of(status, failed, retry_after),
-                expected,
-                "{status:?} {failed}"
-            );
-        }
     }
 }

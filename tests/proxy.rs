@@ -440,3 +440,48 @@ async fn a_connection_the_backend_closed_while_idle_is_not_used_again() {
     let backend = &router.balancer.backends()[0];
     assert_eq!(backend.errors(custom_router::backend::ErrorKind::Io), 0);
 }
+
+#[tokio::test]
+async fn a_request_whose_first_segment_is_a_lone_p_is_served_by_the_http1_server() {
+    let backend = named_backend("p").await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    // A prefix of the HTTP/2 preface, then the rest of a POST with both lengths: the HTTP/1
+    // server reads it whole and refuses it, as it refuses any such request.
+    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    client.set_nodelay(true).unwrap();
+    client.write_all(b"P").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    client
+        .write_all(
+            b"OST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut answer))
+        .await
+        .expect("the connection closes")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(answer.contains("both Transfer-Encoding and Content-Length"), "{answer}");
+    assert_eq!(backend.hits(), 0);
+    // A request split the same way that is well formed is proxied.
+    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    client.set_nodelay(true).unwrap();
+    client.write_all(b"P").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    client
+        .write_all(b"OST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut answer))
+        .await
+        .expect("the connection closes")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.ends_with('p'), "{answer}");
+}

@@ -101,8 +101,12 @@ async fn a_failing_replica_is_ejected_then_readmitted_once_its_probe_passes() {
     );
     assert_eq!(metric(&router, &label).await, 1.0);
 
-    // Probes fail while it is broken: it stays out, well past the ejection time.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Probes fail while it is broken: it stays out, through several failed probes.
+    let probed = failing.hits();
+    assert!(
+        eventually(Duration::from_secs(10), async || failing.hits() >= probed + 2).await,
+        "the ejected backend is probed again"
+    );
     let (_, health) = get_json(&router.url("/_custom_router/health")).await;
     assert_eq!(
         health["backends"][1]["ejected"], true,

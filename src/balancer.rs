@@ -550,14 +550,16 @@ impl Balancer {
         let class = Class::of(finish.status, finish.error, finish.retry_after);
         let failed = class.counts_as_failed();
         let measured = latency.as_secs_f64();
+        let tuning = self.tuning.load();
         // A failure must never look fast: it counts at least as the latency threshold.
         let sample = if failed {
-            measured.max(self.tuning.load().latency_threshold)
+            measured.max(tuning.latency_threshold)
         } else {
             measured
         };
-        backend.record_latency(sample, self.tuning.load().ewma_alpha);
-        backend.record_completed(self.tuning.load().completed_cap);
+        backend.record_latency(sample, tuning.ewma_alpha);
+        backend.record_completed(tuning.completed_cap);
+        drop(tuning);
         if let Some(status) = finish.status {
             backend.record_status(status);
         }

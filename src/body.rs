@@ -17,6 +17,8 @@ use crate::h1::{Connection, ResponseStream};
 
 /// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`]), or from
 /// the TLS client.
+// One per response, moved into place once: boxing the stream would allocate per request.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum BackendBody {
     /// From a plain-HTTP backend; the connection comes back once the body was read to its end.
@@ -26,6 +28,14 @@ pub enum BackendBody {
 }
 
 impl BackendBody {
+    /// A plain-HTTP backend's field lines, when they were left as lines.
+    pub fn passthrough(&self) -> Option<&crate::h1::client::Passthrough> {
+        match self {
+            BackendBody::Pooled(stream) => stream.passthrough(),
+            BackendBody::Tls(_) => None,
+        }
+    }
+
     /// The pooled connection, once the body was read to its end and the connection is reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
         match self {

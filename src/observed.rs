@@ -26,6 +26,15 @@ use crate::body::{BackendBody, BoxError};
 /// What the router answers with: a proxied body or one it wrote itself.
 pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
 
+impl crate::h1::server::Answer for ResponseBody {
+    fn passthrough(&self) -> Option<&crate::h1::client::Passthrough> {
+        match self {
+            Either::Left(observed) => observed.passthrough(),
+            Either::Right(_) => None,
+        }
+    }
+}
+
 /// An upstream response body that finishes its lease at end of stream.
 #[derive(Debug)]
 pub struct ObservedBody {
@@ -135,6 +144,11 @@ fn finish_at_end(lease: &mut Option<Lease>, body: &mut BackendBody, outcome: Fin
 }
 
 impl ObservedBody {
+    /// A plain-HTTP backend's field lines, when they were left as lines.
+    pub fn passthrough(&self) -> Option<&crate::h1::client::Passthrough> {
+        self.inner.passthrough()
+    }
+
     /// Wraps `inner`, finishing `lease` when it ends; a pooled connection goes back to the
     /// backend's idle connections if the body is read to its end.
     pub fn new(

@@ -22,7 +22,7 @@ use crate::balancer::{Balancer, Finish, Lease, Rejection};
 use crate::body::{BodyFailure, ClientBody, RequestBody, UpstreamBody};
 use crate::classify::Class;
 use crate::forwarding::{ForwardedFor, HeadFields, RequestHead, remove_hop_by_hop};
-use crate::h1::{self, FieldLines, Fields};
+use crate::h1::{FieldLines, Fields};
 use crate::metrics::RetryReason;
 use crate::observed::{Observation, ObservedBody, ResponseBody};
 use crate::pool::Failure;
@@ -117,8 +117,7 @@ async fn attempt(
             let (mut parts, body) = upstream.into_parts();
             let status = parts.status;
             // Fields a plain-HTTP backend sent are read as lines, not put in the map.
-            let passthrough = parts.extensions.get::<h1::client::Passthrough>();
-            let (retry_after, content_type) = match passthrough {
+            let (retry_after, content_type) = match body.passthrough() {
                 Some(fields) => (
                     fields.retry_after.as_deref(),
                     fields.content_type.as_deref(),

@@ -457,10 +457,13 @@ async fn h2_preface(stream: &TcpStream) -> Option<bool> {
 /// Puts the field lines a plain-HTTP backend sent into the response's map, for hyper to write
 /// (the router's HTTP/1 server writes the lines as they are).
 fn fields_into_map(answer: &mut Response<ResponseBody>) {
-    let Some(passthrough) = answer.extensions_mut().remove::<h1::client::Passthrough>() else {
+    let http_body_util::Either::Left(observed) = answer.body() else {
         return;
     };
-    let lines = &passthrough.lines;
+    let Some(passthrough) = observed.passthrough() else {
+        return;
+    };
+    let lines = passthrough.lines.clone();
     let mut fields = Vec::new();
     for line in lines.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);

@@ -465,7 +465,10 @@ async fn a_request_whose_first_segment_is_a_lone_p_is_served_by_the_http1_server
         .unwrap();
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
-    assert!(answer.contains("both Transfer-Encoding and Content-Length"), "{answer}");
+    assert!(
+        answer.contains("both Transfer-Encoding and Content-Length"),
+        "{answer}"
+    );
     assert_eq!(backend.hits(), 0);
     // A request split the same way that is well formed is proxied.
     let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();

@@ -104,7 +104,9 @@ async fn a_failing_replica_is_ejected_then_readmitted_once_its_probe_passes() {
     // Probes fail while it is broken: it stays out, through several failed probes.
     let probed = failing.hits();
     assert!(
-        eventually(Duration::from_secs(10), async || failing.hits() >= probed + 2).await,
+        eventually(Duration::from_secs(10), async || failing.hits()
+            >= probed + 2)
+        .await,
         "the ejected backend is probed again"
     );
     let (_, health) = get_json(&router.url("/_custom_router/health")).await;

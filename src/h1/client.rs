@@ -195,13 +195,11 @@ impl Connection {
                     connection: Some(self),
                     framing: answer.framing,
                     keep_alive,
+                    passthrough: answer.passthrough,
                 });
                 *response.status_mut() = answer.status;
                 *response.version_mut() = answer.version;
                 *response.headers_mut() = answer.headers;
-                if let Some(passthrough) = answer.passthrough {
-                    response.extensions_mut().insert(passthrough);
-                }
                 Ok(response)
             }
         }
@@ -420,8 +418,10 @@ struct Head {
 }
 
 /// A response's end-to-end fields as the lines the backend sent (hop-by-hop ones and the length
-/// left out), carried as an extension of the response: the server side writes them as they are,
-/// after the map's fields, and the proxy reads what it needs of them here.
+/// left out), split off the connection's buffer without a copy and carried by the response body
+/// ([`ResponseStream::passthrough`]): the server side writes them as they are, after the map's
+/// fields ([`super::server::Answer`]), and the proxy reads what it needs of them here. (An
+/// `http` extension would cost two allocations per response.)
 #[derive(Debug, Clone, Default)]
 pub struct Passthrough {
     /// `name: value\r\n` each.
@@ -633,9 +633,16 @@ pub struct ResponseStream {
     connection: Option<Connection>,
     framing: Framing,
     keep_alive: bool,
+    passthrough: Option<Passthrough>,
 }
 
 impl ResponseStream {
+    /// The response's fields as the lines the backend sent, when they were left as lines (the
+    /// response head's map is then empty).
+    pub fn passthrough(&self) -> Option<&Passthrough> {
+        self.passthrough.as_ref()
+    }
+
     /// The connection, once the body was read to its end and the exchange left it reusable.
     pub fn take_connection(&mut self) -> Option<Connection> {
         // A body known to be empty (`HEAD`, 204, 304, `Content-Length: 0`) may never be polled.

@@ -161,12 +161,10 @@ enum Refusal {
 /// What answers the requests of a connection.
 ///
 /// The answer's future may borrow the handler, which lives as long as the connection: it is
-/// built right in the connection's state, with no future of its own around it. An answer whose
-/// extensions hold [`Passthrough`] field lines (a plain-HTTP backend's, as it sent them) has
-/// them written after its map's fields.
+/// built right in the connection's state, with no future of its own around it.
 pub trait Handler {
     /// The answers' body.
-    type Body: Body<Data = Bytes> + Unpin;
+    type Body: Answer;
 
     /// The answer to `request`; its map is empty when its `fields` are kept as lines.
     fn call(
@@ -175,6 +173,18 @@ pub trait Handler {
         fields: Option<FieldLines>,
     ) -> impl Future<Output = Response<Self::Body>>;
 }
+
+/// A response body, and the field lines it carries when it relays a plain-HTTP backend's answer
+/// ([`Passthrough`]): they are written after the response map's fields, as the backend sent
+/// them.
+pub trait Answer: Body<Data = Bytes> + Unpin {
+    /// The backend's field lines, if any.
+    fn passthrough(&self) -> Option<&Passthrough> {
+        None
+    }
+}
+
+impl Answer for http_body_util::Full<Bytes> {}
 
 /// A request body: read whole with the head, or read from the connection as it is polled.
 #[derive(Debug)]
@@ -770,7 +780,7 @@ enum Outgoing {
 /// Writes `answer`; `Ok(true)` when the connection may serve another request. `close` says the
 /// connection ends after this response (it then says `Connection: close`); an HTTP/1.0 client
 /// gets a body of unknown length delimited by the end of the connection.
-async fn write_response<B: Body<Data = Bytes> + Unpin>(
+async fn write_response<B: Answer>(
     writer: &mut OwnedWriteHalf,
     out: &mut Vec<u8>,
     answer: Response<B>,
@@ -819,7 +829,7 @@ async fn write_response<B: Body<Data = Bytes> + Unpin>(
         }
         append_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    if let Some(fields) = parts.extensions.get::<Passthrough>() {
+    if let Some(fields) = body.passthrough() {
         // A plain-HTTP backend's fields, as it sent them.
         out.extend_from_slice(&fields.lines);
         dated |= fields.has_date;

@@ -335,7 +335,8 @@ pub async fn proxy(
                 },
             );
             head.set_traceparent(&span.traceparent());
-            span
+            // Boxed: the span is large, and the proxy's future carries it across the attempt.
+            Box::new(span)
         });
         if let Some(reason) = retry_reason.take() {
             balancer.metrics().count_retry(reason);
@@ -361,6 +362,7 @@ pub async fn proxy(
         )
         .await;
         if let Some(span) = attempt_span {
+            let span = *span;
             match &outcome {
                 Attempt::Answer(response) => span.answered(response.status().as_u16()),
                 Attempt::Busy => span.failed("busy"),

@@ -17,6 +17,7 @@ pub mod h1;
 pub mod metrics;
 pub mod pool;
 pub mod proxy;
+mod request_view;
 pub mod response;
 pub mod server;
 #[path = "../strategies/mod.rs"]

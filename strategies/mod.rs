@@ -243,12 +243,12 @@ impl<'a> Candidates<'a> {
     }
 
     /// The candidates with their indices, in the order of the set.
-    pub fn iter(&self) -> impl Iterator<Item = (usize, &'a Arc<Backend>)> + Clone + 'a {
-        let this = *self;
-        self.all
-            .iter()
-            .enumerate()
-            .filter(move |(_, backend)| !this.is_excluded(backend))
+    pub fn iter(&self) -> Iter<'a> {
+        Iter {
+            backends: self.all.iter().enumerate(),
+            candidates: *self,
+            exclusions: self.has_exclusions(),
+        }
     }
 
     /// How many candidates there are.
@@ -272,6 +272,33 @@ impl<'a> Candidates<'a> {
         } else {
             self.all.get(n).map(|backend| (n, backend))
         }
+    }
+}
+
+/// The iterator of [`Candidates::iter`]: without exclusions, the set as it is.
+#[derive(Debug, Clone)]
+pub struct Iter<'a> {
+    backends: std::iter::Enumerate<std::slice::Iter<'a, Arc<Backend>>>,
+    candidates: Candidates<'a>,
+    exclusions: bool,
+}
+
+impl<'a> Iterator for Iter<'a> {
+    type Item = (usize, &'a Arc<Backend>);
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        if !self.exclusions {
+            return self.backends.next();
+        }
+        let candidates = self.candidates;
+        self.backends
+            .find(|(_, backend)| !candidates.is_excluded(backend))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let (low, high) = self.backends.size_hint();
+        (if self.exclusions { 0 } else { low }, high)
     }
 }
 

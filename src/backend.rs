@@ -6,10 +6,11 @@
 //! change keeps the `Arc` (and so the statistics) of every backend present before and after; an
 //! address removed and added again gets a fresh `Backend` with zeroed counters.
 
+use std::any::Any;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use tokio::time::Instant;
 
@@ -240,6 +241,54 @@ impl Availability {
 
 const NO_SAMPLE: u64 = u64::MAX;
 
+/// Per-backend state of the strategies ([`Backend::strategy_slot`]): one value per type, created
+/// on first use and kept as long as the backend, so a removed backend takes it along.
+///
+/// The values form a chain of write-once cells; a lookup walks it until the value of the asked
+/// type, which in practice is the first (one strategy runs at a time; another type is added
+/// behind only after a reload installs a strategy of another type).
+#[derive(Default)]
+pub struct StrategySlot {
+    head: OnceLock<Box<SlotValue>>,
+}
+
+struct SlotValue {
+    value: Box<dyn Any + Send + Sync>,
+    next: StrategySlot,
+}
+
+impl StrategySlot {
+    fn get<T: Default + Send + Sync + 'static>(&self) -> &T {
+        let mut slot = self;
+        loop {
+            let entry = slot.head.get_or_init(|| {
+                Box::new(SlotValue {
+                    value: Box::new(T::default()),
+                    next: StrategySlot::default(),
+                })
+            });
+            if let Some(value) = entry.value.downcast_ref::<T>() {
+                return value;
+            }
+            slot = &entry.next;
+        }
+    }
+}
+
+impl fmt::Debug for StrategySlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut types = 0;
+        let mut slot = self;
+        while let Some(entry) = slot.head.get() {
+            types += 1;
+            slot = &entry.next;
+        }
+        f.debug_struct("StrategySlot")
+            .field("types", &types)
+            .finish()
+    }
+}
+
 /// One backend, the statistics the core keeps for it (all counters are lock-free) and its idle
 /// connections.
 #[derive(Debug)]
@@ -255,6 +304,7 @@ pub struct Backend {
     ejections_total: AtomicU64,
     availability: Mutex<Availability>,
     connections: IdleConnections,
+    strategy_slot: StrategySlot,
 }
 
 impl Backend {
@@ -276,7 +326,20 @@ impl Backend {
                 ..Availability::default()
             }),
             connections: IdleConnections::default(),
+            strategy_slot: StrategySlot::default(),
         }
+    }
+
+    /// The strategy state of type `T` kept with this backend, created with `T::default()` on
+    /// first use. `T` brings its own interior mutability (atomics, a mutex). The state lives as
+    /// long as the backend: a backend removed from the set forgets it with everything else, and
+    /// one added again starts from `T::default()`.
+    ///
+    /// There is one value per type. A strategy of another type (a reload may swap the strategy)
+    /// gets its own, fresh value; a new instance of the same type finds the previous instance's
+    /// value and must tell its own state from it (e.g. by a generation number stored in `T`).
+    pub fn strategy_slot<T: Default + Send + Sync + 'static>(&self) -> &T {
+        self.strategy_slot.get()
     }
 
     /// Its idle keep-alive connections (plain-HTTP backends).
@@ -317,8 +380,8 @@ impl Backend {
         }
     }
 
-    /// A process-unique identity: a strategy may key private per-backend state by it (an address
-    /// removed and added again gets a new id).
+    /// A process-unique identity (an address removed and added again gets a new id). A strategy
+    /// keeps per-backend state in [`Backend::strategy_slot`], not in a map keyed by it.
     pub fn id(&self) -> u64 {
         self.id
     }
@@ -445,6 +508,31 @@ mod tests {
         backend.record_latency(2.0, 0.3);
         let ewma = backend.ewma_latency().unwrap();
         assert!((ewma - 1.3).abs() < 1e-12, "{ewma}");
+    }
+
+    #[test]
+    fn a_strategy_slot_holds_one_value_per_type() {
+        use std::sync::atomic::AtomicU8;
+        let backend = Backend::new("a:1".parse().unwrap());
+        backend
+            .strategy_slot::<AtomicU64>()
+            .store(7, Ordering::Relaxed);
+        assert_eq!(
+            backend.strategy_slot::<AtomicU8>().load(Ordering::Relaxed),
+            0
+        );
+        backend
+            .strategy_slot::<AtomicU8>()
+            .store(3, Ordering::Relaxed);
+        assert_eq!(
+            backend.strategy_slot::<AtomicU64>().load(Ordering::Relaxed),
+            7
+        );
+        assert_eq!(
+            backend.strategy_slot::<AtomicU8>().load(Ordering::Relaxed),
+            3
+        );
+        assert!(format!("{backend:?}").contains("types: 2"));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::strategies::{Outcome, RequestInfo, Strategy};
+use crate::strategies::{Candidates, Outcome, RequestInfo, Strategy};
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,21 +247,22 @@ impl Balancer {
         self.eligible.load_full()
     }
 
-    /// Picks among the eligible backends: the strategy's choice, unless it is slow-starting and
-    /// its ramp declines this pick, in which case the strategy chooses among the others.
-    fn pick(&self, info: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<Arc<Backend>> {
-        let chosen = Arc::clone(&candidates[self.strategy.load().pick(info, candidates)?]);
-        if candidates.len() > 1 && !self.ramp_admits(&chosen) {
-            let others: Vec<Arc<Backend>> = candidates
-                .iter()
-                .filter(|b| !Arc::ptr_eq(b, &chosen))
-                .cloned()
-                .collect();
-            if let Some(index) = self.strategy.load().pick(info, &others) {
-                return Some(Arc::clone(&others[index]));
+    /// Picks among `candidates`: the strategy's choice, unless it is slow-starting and its ramp
+    /// declines this pick, in which case the strategy chooses among the others.
+    fn pick(&self, info: &RequestInfo, candidates: Candidates<'_>) -> Option<Arc<Backend>> {
+        let strategy = self.strategy.load();
+        let index = strategy.pick(info, candidates)?;
+        debug_assert!(
+            candidates.get(index).is_some(),
+            "picked an excluded backend"
+        );
+        let chosen = &candidates.all()[index];
+        if candidates.iter().any(|(other, _)| other != index) && !self.ramp_admits(chosen) {
+            if let Some(other) = strategy.pick(info, candidates.declining(chosen)) {
+                return Some(Arc::clone(&candidates.all()[other]));
             }
         }
-        Some(chosen)
+        Some(Arc::clone(chosen))
     }
 
     /// The metrics instruments.
@@ -331,18 +332,11 @@ impl Balancer {
         candidates: &[Arc<Backend>],
         excluded: &[Arc<Backend>],
     ) -> Option<Arc<Backend>> {
-        if excluded.is_empty() {
-            return self.pick(info, candidates);
-        }
-        let others: Vec<Arc<Backend>> = candidates
-            .iter()
-            .filter(|b| !excluded.iter().any(|e| Arc::ptr_eq(e, b)))
-            .cloned()
-            .collect();
-        if others.is_empty() {
-            self.pick(info, candidates)
+        let others = Candidates::new(candidates).excluding(excluded);
+        if excluded.is_empty() || !others.is_empty() {
+            self.pick(info, others)
         } else {
-            self.pick(info, &others)
+            self.pick(info, Candidates::new(candidates))
         }
     }
 
@@ -406,15 +400,10 @@ impl Balancer {
     ) -> Result<Option<Lease>, Rejection> {
         let untried_exist = {
             let queue = self.lock();
-            let untried: Vec<Arc<Backend>> = self
-                .eligible
-                .load()
-                .iter()
-                .filter(|b| !tried.iter().any(|t| Arc::ptr_eq(t, b)))
-                .cloned()
-                .collect();
+            let eligible = self.eligible.load();
+            let untried = Candidates::new(&eligible).excluding(tried);
             if queue.waiters.is_empty() && !untried.is_empty() {
-                if let Some(backend) = self.pick(&info, &untried) {
+                if let Some(backend) = self.pick(&info, untried) {
                     let lease = Lease::new(self, backend);
                     drop(queue);
                     return Ok(Some(lease));

@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod observed;
 pub mod pool;
 pub mod proxy;
+mod request_view;
 pub mod response;
 pub mod retry_budget;
 pub mod server;

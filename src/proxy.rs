@@ -248,15 +248,15 @@ pub async fn proxy(
     }
     let info = RequestInfo {
         method: parts.method.clone(),
-        key: balancer.request_key(&RequestView {
-            method: &parts.method,
-            uri: &parts.uri,
-            fields: match &fields {
+        key: balancer.request_key(&RequestView::new(
+            &parts.method,
+            &parts.uri,
+            &match &fields {
                 Some(lines) => Fields::Lines(lines),
                 None => Fields::Map(&parts.headers),
             },
-            body_prefix: body.prefix(),
-        }),
+            body.prefix(),
+        )),
     };
     let mut body = body;
     // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where

@@ -38,10 +38,12 @@
 //!   versions, platforms and restarts (std's `DefaultHasher` is not). Ring points hash the
 //!   backend's address, so the same set gives the same ring in any order and in any process.
 //! - The ring is rebuilt whenever the eligible set changes (`on_backends_changed`) and swapped in
-//!   with `arc-swap`; `pick` walks it without allocating or locking. Ring points name backends by
-//!   [`Backend::id`], so a pick over a subset of the set (retries skip backends already tried,
-//!   slow start may decline one) still finds the right candidates; a backend missing from the
-//!   ring is reachable only through the least-loaded fallback until the next rebuild.
+//!   with `arc-swap`; `pick` walks it without allocating or locking. A point whose backend is
+//!   excluded from the pick (retries skip backends already tried, slow start may decline one) is
+//!   passed over like a full one, and the load bound counts only the candidates left. Ring
+//!   points name backends by [`Backend::id`], so a pick over another set still finds the right
+//!   candidates; a backend missing from the ring is reachable only through the least-loaded
+//!   fallback until the next rebuild.
 //! - `pick` returns `None` only when there is no candidate; the request then waits in the core
 //!   queue for backends (`queues_when_unavailable` is `true`), like `queued-least-latency`.
 //!
@@ -70,10 +72,10 @@ use http::header::{COOKIE, HeaderName};
 use serde::Deserialize;
 
 use super::{
-    ParamsError, RequestInfo, RequestView, Strategy, StrategyContext, StrategyEntry, parse_params,
+    Candidates, ParamsError, RequestInfo, RequestView, Strategy, StrategyContext, StrategyEntry,
+    parse_params,
 };
 use crate::backend::Backend;
-use crate::h1::Fields;
 
 /// Registry entry.
 pub const ENTRY: StrategyEntry = StrategyEntry {
@@ -191,20 +193,21 @@ impl KeySources {
 
     /// The hashed key of `request`: its header, else its cookie, else its body prefix.
     fn key(&self, request: &RequestView<'_>) -> Option<u64> {
-        self.header_value(request.fields)
-            .or_else(|| self.cookie_value(request.fields))
-            .or_else(|| self.body_prefix(request.body_prefix))
+        self.header_value(request)
+            .or_else(|| self.cookie_value(request))
+            .or_else(|| self.body_prefix(request.body_prefix()))
             .map(hash_bytes)
     }
 
-    fn header_value<'a>(&self, fields: Fields<'a>) -> Option<&'a [u8]> {
-        let value = fields.get(self.header.as_ref()?.as_str())?;
+    fn header_value<'a>(&self, request: &RequestView<'a>) -> Option<&'a [u8]> {
+        let value = request.header(self.header.as_ref()?.as_str())?;
         (!value.is_empty()).then_some(value)
     }
 
-    fn cookie_value<'a>(&self, fields: Fields<'a>) -> Option<&'a [u8]> {
+    fn cookie_value<'a>(&self, request: &RequestView<'a>) -> Option<&'a [u8]> {
         let name = self.cookie.as_deref()?;
-        fields
+        request
+            .headers()
             .find_map(COOKIE.as_str(), |line| {
                 std::str::from_utf8(line)
                     .ok()?
@@ -296,36 +299,40 @@ impl Ring {
         }
     }
 
-    /// The index in `candidates` of the first backend clockwise from `key` whose in-flight count
-    /// is below `bound`; `None` if no backend of the ring is among the candidates below it.
-    fn owner(&self, key: u64, candidates: &[Arc<Backend>], bound: usize) -> Option<usize> {
+    /// The index of the first candidate clockwise from `key` whose in-flight count is below
+    /// `bound`; `None` if no backend of the ring is a candidate below it.
+    fn owner(&self, key: u64, candidates: Candidates<'_>, bound: usize) -> Option<usize> {
         let start = self.points.partition_point(|point| point.hash < key);
         let (wrapped, clockwise) = self.points.split_at(start);
         clockwise
             .iter()
             .chain(wrapped)
             .filter_map(|point| self.candidate_index(point.slot as usize, candidates))
-            .find(|&index| candidates[index].in_flight() < bound)
+            .find(|&index| candidates.all()[index].in_flight() < bound)
     }
 
-    /// Where the backend of `slot` is in `candidates`: at `slot` itself when the candidates are
-    /// the set the ring was built from, else found by id.
-    fn candidate_index(&self, slot: usize, candidates: &[Arc<Backend>]) -> Option<usize> {
+    /// Where the backend of `slot` is among the candidates: at `slot` itself when they are the
+    /// set the ring was built from, else found by id; `None` when it is missing or excluded.
+    fn candidate_index(&self, slot: usize, candidates: Candidates<'_>) -> Option<usize> {
         let id = self.ids[slot];
-        if candidates
-            .get(slot)
-            .is_some_and(|backend| backend.id() == id)
-        {
-            return Some(slot);
-        }
-        candidates.iter().position(|backend| backend.id() == id)
+        let all = candidates.all();
+        let index = if all.get(slot).is_some_and(|backend| backend.id() == id) {
+            slot
+        } else {
+            all.iter().position(|backend| backend.id() == id)?
+        };
+        candidates.get(index).map(|_| index)
     }
 }
 
 /// `⌈c × (in-flight + 1) / n⌉`: the most requests a candidate may hold after this one.
-fn load_bound(candidates: &[Arc<Backend>], load_factor: f64) -> usize {
-    let in_flight: usize = candidates.iter().map(|backend| backend.in_flight()).sum();
-    (load_factor * (in_flight + 1) as f64 / candidates.len() as f64).ceil() as usize
+fn load_bound(candidates: Candidates<'_>, load_factor: f64) -> usize {
+    let (count, in_flight) = candidates
+        .iter()
+        .fold((0usize, 0usize), |(count, sum), (_, backend)| {
+            (count + 1, sum + backend.in_flight())
+        });
+    (load_factor * (in_flight + 1) as f64 / count as f64).ceil() as usize
 }
 
 /// The affinity strategy. See the module docs for the algorithm.
@@ -352,20 +359,12 @@ impl Affinity {
     }
 
     /// The candidate with the fewest requests in flight; ties rotate.
-    fn least_loaded(&self, candidates: &[Arc<Backend>]) -> usize {
-        let fewest = candidates.iter().map(|b| b.in_flight()).min().unwrap_or(0);
-        let ties = candidates
-            .iter()
-            .filter(|b| b.in_flight() == fewest)
-            .count()
-            .max(1);
+    fn least_loaded(&self, candidates: Candidates<'_>) -> Option<usize> {
+        let fewest = candidates.iter().map(|(_, b)| b.in_flight()).min()?;
+        let tied = candidates.iter().filter(|(_, b)| b.in_flight() == fewest);
+        let ties = tied.clone().count();
         let skip = self.rotation.fetch_add(1, Ordering::Relaxed) % ties;
-        candidates
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.in_flight() == fewest)
-            .nth(skip)
-            .map_or(0, |(index, _)| index)
+        tied.map(|(index, _)| index).nth(skip)
     }
 }
 
@@ -374,7 +373,7 @@ impl Strategy for Affinity {
         ENTRY.name
     }
 
-    fn pick(&self, request: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<usize> {
+    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
         if candidates.is_empty() {
             return None;
         }
@@ -382,7 +381,7 @@ impl Strategy for Affinity {
             let bound = load_bound(candidates, self.load_factor);
             self.ring.load().owner(key, candidates, bound)
         });
-        Some(owner.unwrap_or_else(|| self.least_loaded(candidates)))
+        owner.or_else(|| self.least_loaded(candidates))
     }
 
     fn request_key(&self, request: &RequestView<'_>) -> Option<u64> {
@@ -398,8 +397,10 @@ impl Strategy for Affinity {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::strategies::HeaderLookup;
     use figment::value::Dict;
-    use http::{HeaderMap, HeaderValue, Method, Uri};
+    use http::{Method, Uri};
+    use std::ops::ControlFlow;
 
     fn backends(range: std::ops::Range<usize>) -> Vec<Arc<Backend>> {
         range
@@ -426,39 +427,34 @@ mod tests {
 
     /// The backend `key` maps to with every backend idle.
     fn home(strategy: &Affinity, set: &[Arc<Backend>], key: u64) -> u64 {
-        set[strategy.pick(&keyed(key), set).unwrap()].id()
+        set[strategy.pick(&keyed(key), set.into()).unwrap()].id()
     }
 
-    /// The key of a request with `headers` and `body`; the same whether its fields are read
-    /// from a map or from an HTTP/1 client's lines.
-    fn key_of(keys: &KeySources, headers: &HeaderMap, body: &[u8]) -> Option<u64> {
-        let mut lines = Vec::new();
-        for (name, value) in headers {
-            crate::h1::append_field(&mut lines, name.as_str().as_bytes(), value.as_bytes());
+    /// Header fields as name-value pairs.
+    struct Pairs(Vec<(&'static str, &'static str)>);
+
+    impl HeaderLookup for Pairs {
+        fn visit<'s>(&'s self, name: &str, each: &mut dyn FnMut(&'s [u8]) -> ControlFlow<()>) {
+            for (field, value) in &self.0 {
+                if field.eq_ignore_ascii_case(name) && each(value.as_bytes()).is_break() {
+                    return;
+                }
+            }
         }
-        let lines = crate::h1::FieldLines::new(lines.into(), None, None, true, false);
-        let [from_map, from_lines] = [Fields::Map(headers), Fields::Lines(&lines)].map(|fields| {
-            keys.key(&RequestView {
-                method: &Method::POST,
-                uri: &Uri::from_static("/v1/chat/completions"),
-                fields,
-                body_prefix: body,
-            })
-        });
-        assert_eq!(from_map, from_lines);
-        from_map
     }
 
-    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
-        pairs
-            .iter()
-            .map(|(name, value)| {
-                (
-                    HeaderName::from_static(name),
-                    HeaderValue::from_static(value),
-                )
-            })
-            .collect()
+    /// The key of a request with `headers` and `body`.
+    fn key_of(keys: &KeySources, headers: &Pairs, body: &[u8]) -> Option<u64> {
+        keys.key(&RequestView::new(
+            &Method::POST,
+            &Uri::from_static("/v1/chat/completions"),
+            headers,
+            body,
+        ))
+    }
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> Pairs {
+        Pairs(pairs.to_vec())
     }
 
     #[test]
@@ -466,9 +462,9 @@ mod tests {
         let set = backends(0..5);
         let strategy = strategy(&set, 1.25);
         for key in (0..200u64).map(|k| hash_bytes(&k.to_le_bytes())) {
-            let first = strategy.pick(&keyed(key), &set).unwrap();
+            let first = strategy.pick(&keyed(key), (&set).into()).unwrap();
             for _ in 0..3 {
-                assert_eq!(strategy.pick(&keyed(key), &set), Some(first));
+                assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(first));
             }
         }
     }
@@ -479,7 +475,7 @@ mod tests {
         let strategy = strategy(&set, 1.25);
         let mut counts = [0usize; 4];
         for key in (0..4000u64).map(|k| hash_bytes(&k.to_le_bytes())) {
-            counts[strategy.pick(&keyed(key), &set).unwrap()] += 1;
+            counts[strategy.pick(&keyed(key), (&set).into()).unwrap()] += 1;
         }
         assert!(
             counts.iter().all(|&n| (700..1300).contains(&n)),
@@ -492,13 +488,13 @@ mod tests {
         let set = backends(0..4);
         let strategy = strategy(&set, 1.0);
         let key = hash_bytes(b"session-1");
-        let home = strategy.pick(&keyed(key), &set).unwrap();
+        let home = strategy.pick(&keyed(key), (&set).into()).unwrap();
         // With one request in flight in all and c = 1 the bound is ⌈1 × 2 / 4⌉ = 1: home is full.
         set[home].acquire();
-        let spill = strategy.pick(&keyed(key), &set).unwrap();
+        let spill = strategy.pick(&keyed(key), (&set).into()).unwrap();
         assert_ne!(spill, home);
         set[home].release();
-        assert_eq!(strategy.pick(&keyed(key), &set), Some(home));
+        assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(home));
     }
 
     #[test]
@@ -508,14 +504,28 @@ mod tests {
         let request = RequestInfo::default();
         set[0].acquire();
         let picks: Vec<_> = (0..4)
-            .map(|_| strategy.pick(&request, &set).unwrap())
+            .map(|_| strategy.pick(&request, (&set).into()).unwrap())
             .collect();
         assert!(picks.iter().all(|&i| i != 0), "{picks:?}");
         assert!(picks.contains(&1) && picks.contains(&2), "{picks:?}");
         for busy in [1, 1, 2, 2] {
             set[busy].acquire();
         }
-        assert_eq!(strategy.pick(&request, &set), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+    }
+
+    #[test]
+    fn an_excluded_home_is_passed_over_like_a_full_one() {
+        let set = backends(0..4);
+        let strategy = strategy(&set, 1.25);
+        let key = hash_bytes(b"session-2");
+        let home = strategy.pick(&keyed(key), (&set).into()).unwrap();
+        let tried = [Arc::clone(&set[home])];
+        let candidates = Candidates::new(&set).excluding(&tried);
+        let next = strategy.pick(&keyed(key), candidates).unwrap();
+        assert_ne!(next, home);
+        // The same backend each time: the next one clockwise.
+        assert_eq!(strategy.pick(&keyed(key), candidates), Some(next));
     }
 
     #[test]
@@ -553,10 +563,10 @@ mod tests {
         let strategy = Affinity::new(default_keys(), 100, 1.25);
         set[0].acquire();
         set[2].acquire();
-        assert_eq!(strategy.pick(&keyed(42), &set), Some(1));
+        assert_eq!(strategy.pick(&keyed(42), (&set).into()), Some(1));
         strategy.on_backends_changed(&[]);
-        assert_eq!(strategy.pick(&keyed(42), &set), Some(1));
-        assert_eq!(strategy.pick(&keyed(42), &[]), None);
+        assert_eq!(strategy.pick(&keyed(42), (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&keyed(42), Candidates::new(&[])), None);
     }
 
     #[test]
@@ -567,7 +577,7 @@ mod tests {
             ..Params::default()
         })
         .unwrap();
-        let none = HeaderMap::new();
+        let none = headers(&[]);
         let header = headers(&[("x-session-id", "abc"), ("cookie", "a=1; sid=xyz")]);
         let cookie = headers(&[("cookie", "a=1; sid=\"xyz\""), ("x-session-id", "")]);
         assert_eq!(key_of(&keys, &header, b"body"), Some(hash_bytes(b"abc")));
@@ -692,7 +702,7 @@ mod properties {
                 match event {
                     Event::Arrive(key) => {
                         let key = key.map(|k| hash_bytes(&k.to_le_bytes()));
-                        let index = strategy.pick(&keyed(key), &set).unwrap();
+                        let index = strategy.pick(&keyed(key), (&set).into()).unwrap();
                         set[index].acquire();
                         running.push(index);
                         let total: usize = set.iter().map(|b| b.in_flight()).sum();
@@ -717,7 +727,7 @@ mod properties {
             let homes = |set: &[Arc<Backend>]| -> Vec<u64> {
                 strategy.on_backends_changed(set);
                 (0..2000u64)
-                    .map(|k| set[strategy.pick(&keyed(Some(hash_bytes(&k.to_le_bytes()))), set).unwrap()].id())
+                    .map(|k| set[strategy.pick(&keyed(Some(hash_bytes(&k.to_le_bytes()))), set.into()).unwrap()].id())
                     .collect()
             };
             let before = homes(&set[..n]);

@@ -40,10 +40,14 @@
 //!   cheaper than a measured one, so it would win every pair it is drawn in until its first
 //!   answer, seconds later). With nothing measured yet all backends are equal and in-flight
 //!   counts decide.
-//! - Estimates are private to the strategy, keyed by [`Backend::id`], and dropped for backends
-//!   that leave the eligible set. Time is [`tokio::time::Instant`], so tests pause it.
+//! - Estimates live with each backend ([`Backend::strategy_slot`]), stamped with the strategy
+//!   instance's generation, so a backend removed from the set takes its estimate along and a
+//!   strategy built anew (a reload with other parameters) starts from nothing. The mean for
+//!   never-measured backends is over the eligible set. Time is [`tokio::time::Instant`], so
+//!   tests pause it.
 //! - The two candidates are drawn with a [`fastrand::Rng`], seeded by `seed` when given (tests,
-//!   benchmarks) and from entropy otherwise. One candidate is picked as is.
+//!   benchmarks) and from entropy otherwise, among the candidates left after the core's
+//!   exclusions (backends a retry already tried). One candidate is picked as is.
 //! - **Queueing**: `pick` returns `None` only when there is no candidate at all (no backends set
 //!   yet, or every one ejected or paused after busy answers). Such a request waits in the core
 //!   queue, like with `queued-least-latency`, and leaves when set-backends or the end of a pause
@@ -64,7 +68,7 @@
 //! # seed = 42           # fixed random draws (tests, benchmarks)
 //! ```
 
-use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -73,7 +77,8 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::{
-    Outcome, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry, parse_params,
+    Candidates, Outcome, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry,
+    next_generation, parse_params,
 };
 use crate::backend::Backend;
 
@@ -170,11 +175,25 @@ fn decay_weight(elapsed: Duration, decay: f64) -> f64 {
     (-elapsed.as_secs_f64() / decay).exp()
 }
 
+/// What the strategy keeps on each backend ([`Backend::strategy_slot`]): its estimate, written
+/// under the strategy's lock and valid only with the strategy's generation.
+#[derive(Debug, Default)]
+struct Slot {
+    /// The generation of the strategy that wrote it; 0: never written.
+    generation: AtomicU64,
+    /// [`PeakEwma::estimate`], as `f64` bits.
+    estimate: AtomicU64,
+    /// [`PeakEwma::updated`], as nanoseconds since the strategy's epoch.
+    updated: AtomicU64,
+}
+
 /// What the strategy keeps behind its lock.
 #[derive(Debug)]
 struct State {
     rng: fastrand::Rng,
-    estimates: HashMap<u64, PeakEwma>,
+    /// The eligible set, as last given to `on_backends_changed`: the mean for never-measured
+    /// backends when an outcome is recorded.
+    set: Vec<Arc<Backend>>,
 }
 
 impl State {
@@ -184,13 +203,6 @@ impl State {
         let second = self.rng.usize(..n - 1);
         (first, if second >= first { second + 1 } else { second })
     }
-
-    /// The mean current estimate of the measured backends, if any.
-    fn mean_estimate(&self, now: Instant, decay: f64) -> Option<f64> {
-        let count = self.estimates.len();
-        let sum: f64 = self.estimates.values().map(|e| e.value(now, decay)).sum();
-        (count > 0).then(|| sum / count as f64)
-    }
 }
 
 /// The p2c-peak-ewma strategy. See the module docs for the algorithm.
@@ -198,6 +210,10 @@ impl State {
 pub struct P2cPeakEwma {
     decay: f64,
     default_rtt: Option<f64>,
+    /// Stamps this instance's estimates on the backends.
+    generation: u64,
+    /// Time zero of the stored `updated` instants.
+    epoch: Instant,
     state: Mutex<State>,
 }
 
@@ -209,9 +225,11 @@ impl P2cPeakEwma {
         Self {
             decay,
             default_rtt,
+            generation: next_generation(),
+            epoch: Instant::now(),
             state: Mutex::new(State {
                 rng,
-                estimates: HashMap::new(),
+                set: Vec::new(),
             }),
         }
     }
@@ -222,23 +240,57 @@ impl P2cPeakEwma {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Seconds a request to `backend` is expected to take at `now`, before load.
-    fn latency(&self, state: &State, backend: &Backend, now: Instant) -> f64 {
-        match state.estimates.get(&backend.id()) {
+    /// The estimate this instance keeps on `backend`, if it measured it.
+    fn estimate(&self, backend: &Backend) -> Option<PeakEwma> {
+        let slot = backend.strategy_slot::<Slot>();
+        (slot.generation.load(Ordering::Relaxed) == self.generation).then(|| PeakEwma {
+            estimate: f64::from_bits(slot.estimate.load(Ordering::Relaxed)),
+            updated: self.epoch + Duration::from_nanos(slot.updated.load(Ordering::Relaxed)),
+        })
+    }
+
+    /// Stores `estimate` on `backend` (under the strategy's lock).
+    fn store(&self, backend: &Backend, estimate: PeakEwma) {
+        let slot = backend.strategy_slot::<Slot>();
+        let updated = estimate.updated.saturating_duration_since(self.epoch);
+        slot.estimate
+            .store(estimate.estimate.to_bits(), Ordering::Relaxed);
+        slot.updated.store(
+            u64::try_from(updated.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        slot.generation.store(self.generation, Ordering::Relaxed);
+    }
+
+    /// The mean current estimate of the measured backends of `set`, if any.
+    fn mean_estimate(&self, set: &[Arc<Backend>], now: Instant) -> Option<f64> {
+        let (sum, count) = set
+            .iter()
+            .filter_map(|backend| self.estimate(backend))
+            .fold((0.0, 0usize), |(sum, count), estimate| {
+                (sum + estimate.value(now, self.decay), count + 1)
+            });
+        (count > 0).then(|| sum / count as f64)
+    }
+
+    /// Seconds a request to `backend` is expected to take at `now`, before load; `set` gives
+    /// the mean for a never-measured backend.
+    fn latency(&self, set: &[Arc<Backend>], backend: &Backend, now: Instant) -> f64 {
+        match self.estimate(backend) {
             Some(estimate) => estimate.value(now, self.decay),
-            None => self.unmeasured_latency(state, now),
+            None => self.unmeasured_latency(set, now),
         }
     }
 
-    fn unmeasured_latency(&self, state: &State, now: Instant) -> f64 {
+    fn unmeasured_latency(&self, set: &[Arc<Backend>], now: Instant) -> f64 {
         self.default_rtt
-            .or_else(|| state.mean_estimate(now, self.decay))
+            .or_else(|| self.mean_estimate(set, now))
             .unwrap_or(NOTHING_MEASURED_RTT)
     }
 
     /// The cost of sending one more request to `backend`: latency × (in-flight + 1).
-    fn cost(&self, state: &State, backend: &Backend, now: Instant) -> f64 {
-        self.latency(state, backend, now) * (backend.in_flight() + 1) as f64
+    fn cost(&self, set: &[Arc<Backend>], backend: &Backend, now: Instant) -> f64 {
+        self.latency(set, backend, now) * (backend.in_flight() + 1) as f64
     }
 }
 
@@ -247,26 +299,27 @@ impl Strategy for P2cPeakEwma {
         ENTRY.name
     }
 
-    fn pick(&self, _request: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<usize> {
-        if candidates.len() < 2 {
-            return (!candidates.is_empty()).then_some(0);
+    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+        let count = candidates.len();
+        if count < 2 {
+            return candidates.nth(0).map(|(index, _)| index);
         }
         let mut state = self.lock();
-        let (first, second) = state.two_distinct(candidates.len());
+        let (first, second) = state.two_distinct(count);
+        let (first, second) = (candidates.nth(first)?, candidates.nth(second)?);
         let now = Instant::now();
-        let first_cost = self.cost(&state, &candidates[first], now);
-        let second_cost = self.cost(&state, &candidates[second], now);
+        let set = candidates.all();
+        let first_cost = self.cost(set, first.1, now);
+        let second_cost = self.cost(set, second.1, now);
         Some(if second_cost < first_cost {
-            second
+            second.0
         } else {
-            first
+            first.0
         })
     }
 
     fn on_backends_changed(&self, backends: &[Arc<Backend>]) {
-        self.lock()
-            .estimates
-            .retain(|id, _| backends.iter().any(|backend| backend.id() == *id));
+        self.lock().set = backends.to_vec();
     }
 
     fn on_outcome(&self, backend: &Backend, outcome: &Outcome) {
@@ -274,21 +327,33 @@ impl Strategy for P2cPeakEwma {
             return;
         }
         let now = Instant::now();
-        let mut state = self.lock();
-        let sample = if outcome.failed {
-            let current = self.latency(&state, backend, now);
-            outcome.latency.max(FAILURE_PENALTY * current)
-        } else {
-            outcome.latency
+        let state = self.lock();
+        let estimate = match self.estimate(backend) {
+            Some(mut estimate) => {
+                let sample = if outcome.failed {
+                    outcome
+                        .latency
+                        .max(FAILURE_PENALTY * estimate.value(now, self.decay))
+                } else {
+                    outcome.latency
+                };
+                estimate.observe(sample, now, self.decay);
+                estimate
+            }
+            None => {
+                let sample = if outcome.failed {
+                    let current = self.unmeasured_latency(&state.set, now);
+                    outcome.latency.max(FAILURE_PENALTY * current)
+                } else {
+                    outcome.latency
+                };
+                PeakEwma {
+                    estimate: sample,
+                    updated: now,
+                }
+            }
         };
-        state
-            .estimates
-            .entry(backend.id())
-            .and_modify(|estimate| estimate.observe(sample, now, self.decay))
-            .or_insert(PeakEwma {
-                estimate: sample,
-                updated: now,
-            });
+        self.store(backend, estimate);
     }
 }
 
@@ -323,8 +388,12 @@ mod tests {
         strategy.on_outcome(backend, &outcome(latency, false));
     }
 
-    fn estimate(strategy: &P2cPeakEwma, backend: &Backend) -> f64 {
-        strategy.latency(&strategy.lock(), backend, Instant::now())
+    fn estimate(strategy: &P2cPeakEwma, set: &[Arc<Backend>], index: usize) -> f64 {
+        strategy.latency(set, &set[index], Instant::now())
+    }
+
+    fn pick(strategy: &P2cPeakEwma, set: &[Arc<Backend>]) -> Option<usize> {
+        strategy.pick(&RequestInfo::default(), set.into())
     }
 
     fn close(actual: f64, expected: f64) -> bool {
@@ -340,7 +409,7 @@ mod tests {
         let (strategy, set) = (strategy(), backends(1));
         ok(&strategy, &set[0], 1.0);
         ok(&strategy, &set[0], 4.0);
-        assert_eq!(estimate(&strategy, &set[0]), 4.0);
+        assert_eq!(estimate(&strategy, &set, 0), 4.0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -351,10 +420,10 @@ mod tests {
         ok(&strategy, &set[0], 1.0);
         let weight = (-1.0f64).exp();
         let expected = 3.0 * weight + 1.0 * (1.0 - weight);
-        assert!(close(estimate(&strategy, &set[0]), expected));
+        assert!(close(estimate(&strategy, &set, 0), expected));
         // A sample right after the previous one barely moves it.
         ok(&strategy, &set[0], 0.0);
-        assert!(close(estimate(&strategy, &set[0]), expected));
+        assert!(close(estimate(&strategy, &set, 0), expected));
     }
 
     #[tokio::test(start_paused = true)]
@@ -362,9 +431,9 @@ mod tests {
         let (strategy, set) = (strategy(), backends(1));
         ok(&strategy, &set[0], 2.0);
         advance(DECAY).await;
-        assert!(close(estimate(&strategy, &set[0]), 2.0 * (-1.0f64).exp()));
+        assert!(close(estimate(&strategy, &set, 0), 2.0 * (-1.0f64).exp()));
         advance(4.0 * DECAY).await;
-        assert!(estimate(&strategy, &set[0]) < 2.0 * 0.01);
+        assert!(estimate(&strategy, &set, 0) < 2.0 * 0.01);
     }
 
     #[tokio::test(start_paused = true)]
@@ -373,9 +442,9 @@ mod tests {
         ok(&strategy, &set[0], 5.0);
         let failure = outcome(3.0, true);
         strategy.on_outcome(&set[0], &failure);
-        assert_eq!(estimate(&strategy, &set[0]), 10.0);
+        assert_eq!(estimate(&strategy, &set, 0), 10.0);
         strategy.on_outcome(&set[0], &failure);
-        assert_eq!(estimate(&strategy, &set[0]), 20.0);
+        assert_eq!(estimate(&strategy, &set, 0), 20.0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -383,15 +452,14 @@ mod tests {
         let (strategy, set) = (strategy(), backends(2));
         ok(&strategy, &set[0], 1.0);
         ok(&strategy, &set[1], 0.5);
-        let request = RequestInfo::default();
         // Costs 1.0 × 1 against 0.5 × 1: the faster one.
-        assert_eq!(strategy.pick(&request, &set), Some(1));
+        assert_eq!(pick(&strategy, &set), Some(1));
         // Costs 1.0 × 1 against 0.5 × 4: the idle one, though slower.
         for _ in 0..3 {
             set[1].acquire();
         }
         for _ in 0..20 {
-            assert_eq!(strategy.pick(&request, &set), Some(0));
+            assert_eq!(pick(&strategy, &set), Some(0));
         }
     }
 
@@ -400,24 +468,27 @@ mod tests {
         let (strategy, set) = (strategy(), backends(3));
         ok(&strategy, &set[0], 1.0);
         ok(&strategy, &set[1], 3.0);
-        assert_eq!(estimate(&strategy, &set[2]), 2.0);
-        // Idle, it beats the slower measured one and loses to the faster one.
+        assert_eq!(estimate(&strategy, &set, 2), 2.0);
+        // Idle, it beats the slower measured one and loses to the faster one (the third
+        // excluded: the mean is still over the whole set).
         let request = RequestInfo::default();
-        let pair = [Arc::clone(&set[1]), Arc::clone(&set[2])];
-        assert_eq!(strategy.pick(&request, &pair), Some(1));
-        let pair = [Arc::clone(&set[0]), Arc::clone(&set[2])];
-        assert_eq!(strategy.pick(&request, &pair), Some(0));
+        let pair = |excluded: usize| {
+            let excluded = [Arc::clone(&set[excluded])];
+            strategy.pick(&request, Candidates::new(&set).excluding(&excluded))
+        };
+        assert_eq!(pair(0), Some(2));
+        assert_eq!(pair(1), Some(0));
     }
 
     #[tokio::test(start_paused = true)]
     async fn default_rtt_fixes_the_never_measured_latency() {
         let strategy = P2cPeakEwma::new(DECAY, Some(0.25), Some(1));
         let set = backends(2);
-        assert_eq!(estimate(&strategy, &set[1]), 0.25);
+        assert_eq!(estimate(&strategy, &set, 1), 0.25);
         ok(&strategy, &set[0], 5.0);
-        assert_eq!(estimate(&strategy, &set[1]), 0.25);
+        assert_eq!(estimate(&strategy, &set, 1), 0.25);
         let fresh = P2cPeakEwma::new(DECAY, None, Some(1));
-        assert_eq!(estimate(&fresh, &set[1]), NOTHING_MEASURED_RTT);
+        assert_eq!(estimate(&fresh, &set, 1), NOTHING_MEASURED_RTT);
     }
 
     #[test]
@@ -427,7 +498,7 @@ mod tests {
         let picks = |seed| {
             let strategy = P2cPeakEwma::new(DECAY, None, Some(seed));
             (0..4000)
-                .map(|_| strategy.pick(&request, &set).unwrap())
+                .map(|_| strategy.pick(&request, (&set).into()).unwrap())
                 .collect::<Vec<_>>()
         };
         let first = picks(3);
@@ -444,7 +515,7 @@ mod tests {
 
         let mut state = State {
             rng: fastrand::Rng::with_seed(5),
-            estimates: HashMap::new(),
+            set: Vec::new(),
         };
         for n in 2..6 {
             for _ in 0..200 {
@@ -458,19 +529,28 @@ mod tests {
     fn one_candidate_is_picked_and_none_gives_none() {
         let strategy = strategy();
         let request = RequestInfo::default();
-        assert_eq!(strategy.pick(&request, &backends(1)), Some(0));
-        assert_eq!(strategy.pick(&request, &[]), None);
+        assert_eq!(strategy.pick(&request, (&backends(1)).into()), Some(0));
+        assert_eq!(strategy.pick(&request, Candidates::new(&[])), None);
+        // Both of two excluded but one: that one.
+        let set = backends(2);
+        let tried = [Arc::clone(&set[0])];
+        for _ in 0..20 {
+            let candidates = Candidates::new(&set).excluding(&tried);
+            assert_eq!(strategy.pick(&request, candidates), Some(1));
+        }
     }
 
     #[tokio::test(start_paused = true)]
-    async fn estimates_of_removed_backends_are_dropped() {
-        let (strategy, set) = (strategy(), backends(2));
+    async fn estimates_live_with_the_backend_and_a_new_instance_starts_afresh() {
+        let (strategy, set) = (strategy(), backends(3));
         ok(&strategy, &set[0], 1.0);
-        ok(&strategy, &set[1], 1.0);
-        strategy.on_backends_changed(&set[1..]);
-        let estimates = &strategy.lock().estimates;
-        assert!(!estimates.contains_key(&set[0].id()));
-        assert!(estimates.contains_key(&set[1].id()));
+        ok(&strategy, &set[1], 3.0);
+        // A backend no longer in the set no longer counts in the mean.
+        assert_eq!(estimate(&strategy, &set[1..], 1), 3.0);
+        let again = P2cPeakEwma::new(DECAY, None, Some(7));
+        assert!(again.estimate(&set[0]).is_none());
+        assert_eq!(estimate(&again, &set, 2), NOTHING_MEASURED_RTT);
+        assert_eq!(estimate(&strategy, &set, 0), 1.0);
     }
 
     #[test]

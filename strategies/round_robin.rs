@@ -16,8 +16,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use figment::value::Value;
 use serde::Deserialize;
 
-use super::{ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry, parse_params};
-use crate::backend::Backend;
+use super::{
+    Candidates, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry, parse_params,
+};
 
 /// Registry entry.
 pub const ENTRY: StrategyEntry = StrategyEntry {
@@ -47,11 +48,13 @@ impl Strategy for RoundRobin {
         ENTRY.name
     }
 
-    fn pick(&self, _request: &RequestInfo, candidates: &[Arc<Backend>]) -> Option<usize> {
-        if candidates.is_empty() {
+    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+        let count = candidates.len();
+        if count == 0 {
             return None;
         }
-        Some(self.next.fetch_add(1, Ordering::Relaxed) % candidates.len())
+        let (index, _) = candidates.nth(self.next.fetch_add(1, Ordering::Relaxed) % count)?;
+        Some(index)
     }
 
     fn queues_when_unavailable(&self) -> bool {
@@ -62,6 +65,7 @@ impl Strategy for RoundRobin {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Backend;
 
     #[test]
     fn cycles_through_every_backend_in_order() {
@@ -70,8 +74,19 @@ mod tests {
             .map(|i| Arc::new(Backend::new(format!("h{i}:1").parse().unwrap())))
             .collect();
         let picks: Vec<_> = (0..7)
-            .map(|_| strategy.pick(&RequestInfo::default(), &set).unwrap())
+            .map(|_| {
+                strategy
+                    .pick(&RequestInfo::default(), (&set).into())
+                    .unwrap()
+            })
             .collect();
         assert_eq!(picks, [0, 1, 2, 0, 1, 2, 0]);
+        // The second backend excluded: the others in turn.
+        let tried = [Arc::clone(&set[1])];
+        let candidates = Candidates::new(&set).excluding(&tried);
+        let picks: Vec<_> = (0..4)
+            .map(|_| strategy.pick(&RequestInfo::default(), candidates).unwrap())
+            .collect();
+        assert!(picks.iter().all(|&index| index != 1), "{picks:?}");
     }
 }

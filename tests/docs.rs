@@ -113,3 +113,28 @@ fn every_example_config_is_valid() {
     }
     assert!(checked >= 3);
 }
+
+#[test]
+fn every_method_of_the_strategy_trait_is_documented() {
+    let contract = read("strategies/mod.rs");
+    let guide = read("docs/adding-a-strategy.md");
+    let start = contract
+        .find("pub trait Strategy")
+        .expect("strategies/mod.rs declares `pub trait Strategy`");
+    let body = &contract[start..];
+    // The trait ends at the first line that is a lone closing brace.
+    let end = body.find("\n}").expect("the trait's closing brace");
+    let names: Vec<&str> = body[..end]
+        .split("fn ")
+        .skip(1)
+        .filter_map(|rest| rest.split(['(', '<']).next())
+        .map(str::trim)
+        .collect();
+    assert!(names.len() >= 6, "{names:?}");
+    for name in names {
+        assert!(
+            guide.contains(&format!("`{name}")) || guide.contains(&format!("fn {name}")),
+            "docs/adding-a-strategy.md lacks Strategy::{name}"
+        );
+    }
+}

@@ -1,0 +1,336 @@
+//! `queued-least-latency`: the backend expected to answer soonest, with bursts held in the
+//! router queue.
+//!
+//! The core keeps, per backend, an EWMA of end-to-end latency (none until the first sample), the
+//! requests in flight and the requests completed. Two scores are available (`score` param):
+//!
+//! **`score = "ewma"`: the reference implementation's rules.** A backend is a *candidate* when:
+//!
+//! 1. it was never measured and is idle: score 0 (probe it first);
+//! 2. it was never measured and has a request in flight: not a candidate until that result is in;
+//! 3. it was measured and is idle: score = its EWMA, even above the latency threshold;
+//! 4. it was measured and is busy: a candidate only if its EWMA is below `latency_threshold` **and**
+//!    its in-flight count is below `ramp_up_factor × completed`; score = its EWMA.
+//!
+//! **`score = "load"` (default): predicted latency with a learned concurrency limit.** End-to-end
+//! latency mixes up a slow replica with a long answer, and a latency threshold is not a capacity
+//! signal, so the load score keeps rules 1 and 2 and replaces 3 and 4:
+//!
+//! - *Cost*: seconds per KiB of response body, i.e. the replica's speed with the answer length
+//!   factored out: an EWMA of latency divided by an EWMA of KiB (at least 1/8 KiB per answer),
+//!   kept apart for streamed and whole answers, whose bytes per token differ by an order of
+//!   magnitude (an event per token against plain text). A replica's cost is relative to the
+//!   fleet's: for each kind, its cost over the mean cost of the replicas that served that kind
+//!   (the geometric mean of the two ratios when it served both), so replicas compare on equal
+//!   terms whatever mix of answers each happened to get. A failed attempt counts as
+//!   `latency_threshold` for 1 KiB in both kinds, which keeps a failing replica last.
+//! - *Concurrency limit*: learned from time to first byte (for a streamed answer, the time to the
+//!   first token: queueing plus prefill). Each replica keeps a TTFB baseline (its lowest recent
+//!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline + `ttfb_slack` raises
+//!   the limit by about √limit; a slower one lowers it in proportion (a gradient, as in
+//!   Netflix's concurrency-limits). It starts at `initial_limit`. Once streams have set the
+//!   baseline, whole answers leave the limit alone; on a replica that never streamed, each whole
+//!   answer raises it. A measured backend is a candidate while its in-flight count is below its
+//!   limit and below `ramp_up_factor × completed`.
+//! - *Score*: relative cost × (in-flight + 1), the expected latency of one more request
+//!   (peak-EWMA style).
+//!
+//! When every replica is at its limit, requests wait in the router queue instead of in a
+//! replica's own queue, so a replica added during a burst takes the waiting requests at once.
+//!
+//! The reference rules are in `ewma.rs`, the load score in `load.rs`; what the load score learns
+//! about a backend lives with it ([`Backend::strategy_slot`]), the fleet's sums in the strategy.
+//!
+//! In both modes the lowest score wins; ties go to fewer requests in flight, then rotate. When no
+//! backend is a candidate the request waits in the core's FIFO queue and is dispatched as soon as
+//! one becomes a candidate (a request finishes, the backend set changes). Backends the core
+//! excludes from a pick (a retry's tried ones) are skipped.
+//!
+//! The core records a failed attempt (connect error, I/O error, 5xx) as a latency sample of at
+//! least the threshold and keeps the backend occupied for that long, so a dead or failing
+//! replica is neither preferred nor retried at once.
+//!
+//! ```toml
+//! latency_threshold = 3.0      # top-level: used by the core and by this strategy
+//! [strategy]
+//! name = "queued-least-latency"
+//! [strategy.params]
+//! score = "load"               # or "ewma" for the reference rules
+//! ramp_up_factor = 5
+//! ttfb_tolerance = 2.0
+//! ttfb_slack = 0.02
+//! initial_limit = 4
+//! ```
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use figment::value::Value;
+use serde::Deserialize;
+
+use super::{
+    Candidates, Outcome, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry,
+    parse_params,
+};
+use crate::backend::Backend;
+
+mod ewma;
+mod load;
+
+/// Registry entry.
+pub const ENTRY: StrategyEntry = StrategyEntry {
+    name: "queued-least-latency",
+    summary: "fastest replica with room (learned limits); bursts wait in the router queue",
+    build,
+};
+
+/// Which score ranks the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Score {
+    /// The reference implementation's rules: lowest end-to-end EWMA under the threshold.
+    Ewma,
+    /// Predicted latency (size-normalised cost × load) within a learned concurrency limit.
+    Load,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Params {
+    score: Score,
+    /// A busy backend may hold at most this many requests per completed request.
+    ramp_up_factor: f64,
+    /// TTFB up to this multiple of the baseline does not lower the limit (`load`).
+    ttfb_tolerance: f64,
+    /// Seconds of TTFB above the tolerated multiple that still do not lower the limit (`load`):
+    /// micro-second noise on a fast backend is not congestion.
+    ttfb_slack: f64,
+    /// Concurrency limit of a backend before it has answered (`load`).
+    initial_limit: f64,
+    /// Highest concurrency limit (`load`).
+    max_limit: f64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            score: Score::Load,
+            ramp_up_factor: 5.0,
+            ttfb_tolerance: 2.0,
+            ttfb_slack: 0.02,
+            initial_limit: 4.0,
+            max_limit: 1000.0,
+        }
+    }
+}
+
+fn positive(field: &str, value: f64, minimum: f64) -> Result<(), ParamsError> {
+    if value.is_finite() && value >= minimum && value > 0.0 {
+        Ok(())
+    } else {
+        Err(ParamsError::new(
+            field,
+            format!("expected a number of at least {minimum} (and above 0), found {value}"),
+        ))
+    }
+}
+
+fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>, ParamsError> {
+    let params: Params = parse_params(params)?;
+    positive("ramp_up_factor", params.ramp_up_factor, 0.0)?;
+    positive("ttfb_tolerance", params.ttfb_tolerance, 1.0)?;
+    if !(params.ttfb_slack.is_finite() && params.ttfb_slack >= 0.0) {
+        return Err(ParamsError::new(
+            "ttfb_slack",
+            format!(
+                "expected zero or a positive number of seconds, found {}",
+                params.ttfb_slack
+            ),
+        ));
+    }
+    positive("initial_limit", params.initial_limit, 1.0)?;
+    positive("max_limit", params.max_limit, params.initial_limit)?;
+    Ok(Arc::new(QueuedLeastLatency::with(&params, context)))
+}
+
+/// The queued-least-latency strategy. See the module docs for the rules.
+#[derive(Debug)]
+pub struct QueuedLeastLatency {
+    score: Score,
+    latency_threshold: f64,
+    ramp_up_factor: f64,
+    ttfb_tolerance: f64,
+    ttfb_slack: f64,
+    initial_limit: f64,
+    max_limit: f64,
+    /// The load score's fleet sums and generation.
+    load: Mutex<load::LoadState>,
+    rotation: AtomicUsize,
+}
+
+impl QueuedLeastLatency {
+    fn with(params: &Params, context: &StrategyContext) -> Self {
+        Self {
+            score: params.score,
+            latency_threshold: context.latency_threshold,
+            ramp_up_factor: params.ramp_up_factor,
+            ttfb_tolerance: params.ttfb_tolerance,
+            ttfb_slack: params.ttfb_slack,
+            initial_limit: params.initial_limit,
+            max_limit: params.max_limit,
+            load: Mutex::default(),
+            rotation: AtomicUsize::new(0),
+        }
+    }
+
+    /// The reference rules (`score = "ewma"`) with the given threshold and ramp-up factor.
+    pub fn ewma(latency_threshold: f64, ramp_up_factor: f64) -> Self {
+        let params = Params {
+            score: Score::Ewma,
+            ramp_up_factor,
+            ..Params::default()
+        };
+        Self::with(
+            &params,
+            &StrategyContext {
+                latency_threshold,
+                ..StrategyContext::default()
+            },
+        )
+    }
+
+    /// The load score with default parameters.
+    pub fn load(latency_threshold: f64) -> Self {
+        Self::with(
+            &Params::default(),
+            &StrategyContext {
+                latency_threshold,
+                ..StrategyContext::default()
+            },
+        )
+    }
+
+    fn load_state(&self) -> MutexGuard<'_, load::LoadState> {
+        self.load
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn ramp_room(&self, backend: &Backend, busy: usize) -> bool {
+        (busy as f64) < self.ramp_up_factor * backend.completed() as f64
+    }
+
+    /// The candidate with the lowest score (`None`: not a candidate); ties go to fewer requests
+    /// in flight, then rotate.
+    fn best<F: Fn(&Backend) -> Option<f64>>(
+        &self,
+        candidates: Candidates<'_>,
+        score: F,
+    ) -> Option<usize> {
+        // First pass: the best (score, in-flight), where it first occurs, and how many backends
+        // share it.
+        let mut best: Option<(f64, usize)> = None;
+        let mut first = 0usize;
+        let mut ties = 0usize;
+        for (index, backend) in candidates.iter() {
+            let Some(score) = score(backend) else {
+                continue;
+            };
+            let key = (score, backend.in_flight());
+            match best {
+                Some(current) if key > current => {}
+                Some(current) if key == current => ties += 1,
+                _ => {
+                    best = Some(key);
+                    first = index;
+                    ties = 1;
+                }
+            }
+        }
+        let best = best?;
+        if ties == 1 {
+            return Some(first);
+        }
+        // Second pass: rotate among the tied backends.
+        let mut skip = self.rotation.fetch_add(1, Ordering::Relaxed) % ties;
+        candidates
+            .iter()
+            .find(|(_, backend)| {
+                let tied = score(backend).is_some_and(|score| (score, backend.in_flight()) == best);
+                if tied {
+                    if skip == 0 {
+                        return true;
+                    }
+                    skip -= 1;
+                }
+                false
+            })
+            .map(|(index, _)| index)
+    }
+}
+
+impl Strategy for QueuedLeastLatency {
+    fn name(&self) -> &'static str {
+        ENTRY.name
+    }
+
+    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+        match self.score {
+            Score::Ewma => self.best(candidates, |backend| self.score(backend)),
+            Score::Load => {
+                let state = self.load_state();
+                // A copy the loop can keep in registers.
+                let fleet = state.fleet;
+                let generation = state.generation;
+                self.best(candidates, |backend| {
+                    self.load_score(backend, generation, &fleet)
+                })
+            }
+        }
+    }
+
+    fn on_outcome(&self, backend: &Backend, outcome: &Outcome) {
+        if self.score == Score::Load {
+            self.learn(backend, outcome);
+        }
+    }
+
+    fn on_backends_changed(&self, backends: &[Arc<Backend>]) {
+        if self.score == Score::Load {
+            self.forget_removed(backends);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ramp_up_factor_must_be_positive() {
+        let mut dict = figment::value::Dict::new();
+        dict.insert("ramp_up_factor".into(), Value::from(0));
+        let error = build(&StrategyContext::default(), &Value::from(dict))
+            .err()
+            .unwrap();
+        assert_eq!(error.field, "ramp_up_factor");
+    }
+
+    #[test]
+    fn backends_excluded_from_the_pick_are_skipped() {
+        let strategy = QueuedLeastLatency::ewma(3.0, 5.0);
+        let set: Vec<_> = (0..3)
+            .map(|i| Arc::new(Backend::new(format!("10.0.3.{i}:80").parse().unwrap())))
+            .collect();
+        for (backend, latency) in set.iter().zip([0.1, 0.2, 0.3]) {
+            backend.record_latency(latency, 1.0);
+        }
+        let request = RequestInfo::default();
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        let tried = [Arc::clone(&set[0])];
+        let candidates = Candidates::new(&set).excluding(&tried);
+        assert_eq!(strategy.pick(&request, candidates), Some(1));
+        let candidates = candidates.declining(&set[1]);
+        assert_eq!(strategy.pick(&request, candidates), Some(2));
+    }
+}

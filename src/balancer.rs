@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::strategies::{Candidates, Outcome, RequestInfo, Strategy};
+use crate::strategy::{Candidates, Outcome, RequestInfo, Strategy};
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,7 +271,7 @@ impl Balancer {
     }
 
     /// The strategy's affinity key for `request` ([`Strategy::request_key`]).
-    pub fn request_key(&self, request: &crate::strategies::RequestView<'_>) -> Option<u64> {
+    pub fn request_key(&self, request: &crate::strategy::RequestView<'_>) -> Option<u64> {
         self.strategy.load().request_key(request)
     }
 

@@ -27,6 +27,7 @@ pub mod retry_budget;
 pub mod server;
 #[path = "../strategies/mod.rs"]
 pub mod strategies;
+pub mod strategy;
 pub mod traces;
 pub mod upstream;
 

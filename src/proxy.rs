@@ -28,7 +28,7 @@ use crate::observed::{Observation, ObservedBody, ResponseBody};
 use crate::pool::Failure;
 use crate::response;
 use crate::retry_budget::RetryBudget;
-use crate::strategies::{RequestInfo, RequestView};
+use crate::strategy::{RequestInfo, RequestView};
 use crate::traces::{Decision, Traces};
 use crate::upstream::UpstreamClient;
 

@@ -4,7 +4,7 @@
 use std::ops::ControlFlow;
 
 use crate::h1::Fields;
-use crate::strategies::HeaderLookup;
+use crate::strategy::HeaderLookup;
 
 impl HeaderLookup for Fields<'_> {
     fn get(&self, name: &str) -> Option<&[u8]> {

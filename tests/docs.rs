@@ -116,11 +116,11 @@ fn every_example_config_is_valid() {
 
 #[test]
 fn every_method_of_the_strategy_trait_is_documented() {
-    let contract = read("strategies/mod.rs");
+    let contract = read("src/strategy.rs");
     let guide = read("docs/adding-a-strategy.md");
     let start = contract
         .find("pub trait Strategy")
-        .expect("strategies/mod.rs declares `pub trait Strategy`");
+        .expect("src/strategy.rs declares `pub trait Strategy`");
     let body = &contract[start..];
     // The trait ends at the first line that is a lone closing brace.
     let end = body.find("\n}").expect("the trait's closing brace");

@@ -400,7 +400,9 @@ impl Acceptor {
             // Only a connection that opens with the whole HTTP/2 preface is HTTP/2; any other
             // start is an HTTP/1 request (or garbage, answered 400 by the HTTP/1 server).
             if !h2 {
-                h1::server::serve(stream, limits, draining, Routes { shared, client }).await;
+                let (reader, writer) = stream.into_split();
+                let routes = Routes { shared, client };
+                h1::server::serve(Box::new(reader), writer, limits, draining, routes).await;
                 drop(open);
                 drop(slot);
                 return;

@@ -41,9 +41,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 
 use super::client::Passthrough;
@@ -73,10 +72,17 @@ pub struct Limits {
 }
 
 /// The reading side of a client connection and what was read from it.
-#[derive(Debug)]
 struct Inbound {
-    half: OwnedReadHalf,
+    half: ReadSide,
     buffer: BytesMut,
+}
+
+impl std::fmt::Debug for Inbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbound")
+            .field("buffered", &self.buffer.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Inbound {
@@ -278,16 +284,21 @@ fn json_string(out: &mut Vec<u8>, text: &str) {
     out.push(b'"');
 }
 
-/// Serves one client connection with `handler` until it ends (see the module documentation).
-pub async fn serve<H: Handler>(
-    stream: TcpStream,
+/// The reading side of a client connection, whatever carries it (a TCP stream's read half, an
+/// in-memory pipe in tests).
+pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
+
+/// Serves one client connection, read from `reader` and written to `writer`, with `handler`
+/// until it ends (see the module documentation).
+pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
+    reader: ReadSide,
+    mut writer: W,
     limits: Limits,
     draining: watch::Receiver<bool>,
     handler: H,
 ) {
-    let (half, mut writer) = stream.into_split();
     let mut inbound = Some(Inbound {
-        half,
+        half: reader,
         buffer: BytesMut::with_capacity(READ_BUFFER),
     });
     let mut slot: Option<Arc<Slot>> = None;
@@ -424,23 +435,11 @@ where
     }
 }
 
-/// Waits until the client sends something (`false`) or closes the connection (`true`).
+/// Waits until the client sends something (`false`: it is kept in the buffer) or closes the
+/// connection (`true`). A read that waits registers on the connection's own read waker.
 async fn client_gone(input: &mut Inbound) -> bool {
-    loop {
-        // The socket's own read waker (the one reads use), not a wait of its own to add and take
-        // out of its list each time.
-        let readable = std::future::poll_fn(|cx| input.half.as_ref().poll_read_ready(cx));
-        if readable.await.is_err() {
-            return true;
-        }
-        make_room(&mut input.buffer);
-        match input.half.try_read_buf(&mut input.buffer) {
-            Ok(0) => return true,
-            Ok(_) => return false,
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(_) => return true,
-        }
-    }
+    make_room(&mut input.buffer);
+    !matches!(input.half.read_buf(&mut input.buffer).await, Ok(read) if read > 0)
 }
 
 /// Reads a body of `length` bytes that follows the head, each read within `timeout`.
@@ -781,7 +780,7 @@ enum Outgoing {
 /// connection ends after this response (it then says `Connection: close`); an HTTP/1.0 client
 /// gets a body of unknown length delimited by the end of the connection.
 async fn write_response<B: Answer>(
-    writer: &mut OwnedWriteHalf,
+    writer: &mut (impl AsyncWrite + Unpin),
     out: &mut Vec<u8>,
     answer: Response<B>,
     written: Written,
@@ -1279,29 +1278,171 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connection_closes_when_draining_starts() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (drain, draining) = watch::channel(false);
         let limits = Limits {
             header_read_timeout: Duration::from_secs(600),
             ..test_limits()
         };
-        let addr = listener.local_addr().unwrap();
-        let served = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            serve(stream, limits, draining, Answer).await;
-        });
-        let mut client = TcpStream::connect(addr).await.unwrap();
-        client
-            .write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        let (mut client, served) = scripted(limits, draining, Answer);
+        let script = async {
+            client
+                .write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+                .await
+                .unwrap();
+            let mut answer = vec![0; 4096];
+            let read = client.read(&mut answer).await.unwrap();
+            assert!(answer[..read].starts_with(b"HTTP/1.1 200"));
+            // The connection now waits for the next request, kept alive.
+            drain.send(true).unwrap();
+            let closed = tokio::time::timeout(Duration::from_secs(10), client.read(&mut answer));
+            assert_eq!(closed.await.expect("still open").unwrap(), 0);
+        };
+        tokio::join!(served, script);
+    }
+
+    /// Serves `handler` on one end of an in-memory pipe (the future to drive beside the
+    /// client's script); the other end is the client.
+    fn scripted<H: Handler + 'static>(
+        limits: Limits,
+        draining: watch::Receiver<bool>,
+        handler: H,
+    ) -> (tokio::io::DuplexStream, Pin<Box<dyn Future<Output = ()>>>) {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let (reader, writer) = tokio::io::split(server);
+        let served = Box::pin(serve(Box::new(reader), writer, limits, draining, handler));
+        (client, served)
+    }
+
+    /// Everything the server writes until it closes the pipe.
+    async fn read_all(client: &mut tokio::io::DuplexStream) -> String {
+        let mut answer = Vec::new();
+        client.read_to_end(&mut answer).await.unwrap();
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    /// Answers every request with its path and body.
+    struct Echo;
+
+    impl Handler for Echo {
+        type Body = http_body_util::Full<Bytes>;
+
+        async fn call(
+            &self,
+            request: Request<RequestBody>,
+            _fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            let path = request.uri().path().to_owned();
+            let mut body = request.into_body();
+            let mut text = path.into_bytes();
+            while let Some(frame) =
+                std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+            {
+                match frame.map(Frame::into_data) {
+                    Ok(Ok(data)) => text.extend_from_slice(&data),
+                    Ok(Err(_)) => {}
+                    Err(_) => text.extend_from_slice(b"!body failed"),
+                }
+            }
+            Response::new(http_body_util::Full::new(Bytes::from(text)))
+        }
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order_on_scripted_bytes() {
+        let (_drain, draining) = watch::channel(false);
+        let (mut client, served) = scripted(test_limits(), draining, Echo);
+        let script = async {
+            client
+            .write_all(
+                b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiGET /b HTTP/1.1\r\nHost: x\r\n\r\n\
+                  POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n\
+                  3\r\nabc\r\n0\r\n\r\n",
+            )
             .await
             .unwrap();
-        let mut answer = vec![0; 4096];
-        let read = client.read(&mut answer).await.unwrap();
-        assert!(answer[..read].starts_with(b"HTTP/1.1 200"));
-        // The connection now waits for the next request, kept alive.
-        drain.send(true).unwrap();
-        let closed = tokio::time::timeout(Duration::from_secs(10), client.read(&mut answer));
-        assert_eq!(closed.await.expect("still open").unwrap(), 0);
-        served.await.unwrap();
+            read_all(&mut client).await
+        };
+        let ((), answer) = tokio::join!(served, script);
+        let bodies: Vec<&str> = answer
+            .split("HTTP/1.1 200 OK\r\n")
+            .skip(1)
+            .map(|response| response.split("\r\n\r\n").nth(1).unwrap_or(""))
+            .collect();
+        assert_eq!(bodies.len(), 3, "{answer}");
+        assert_eq!(bodies[0], "/ahi");
+        assert_eq!(bodies[1], "/b");
+        assert!(bodies[2].starts_with("/cabc"), "{answer}");
+        assert!(answer.contains("connection: close"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn a_malformed_head_is_refused_with_json_and_the_connection_closed() {
+        let (_drain, draining) = watch::channel(false);
+        let (mut client, served) = scripted(test_limits(), draining, Echo);
+        let script = async {
+            client
+                .write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5, 5\r\n\r\nhello")
+                .await
+                .unwrap();
+            read_all(&mut client).await
+        };
+        let ((), answer) = tokio::join!(served, script);
+        assert!(
+            answer.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{answer}"
+        );
+        assert!(
+            answer.contains("content-type: application/json"),
+            "{answer}"
+        );
+        assert!(
+            answer.ends_with("{\"error\":\"duplicate Content-Length\"}")
+                || answer.ends_with("{\"error\":\"invalid Content-Length\"}"),
+            "{answer}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_is_answered_408_after_the_body_timeout_on_paused_time() {
+        let (_drain, draining) = watch::channel(false);
+        let limits = Limits {
+            body_read_timeout: Duration::from_secs(30),
+            ..test_limits()
+        };
+        // A body read with its head, and a streamed one (larger than READ_WHOLE).
+        for (head, part) in [
+            (
+                "POST /small HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n",
+                10,
+            ),
+            (
+                "POST /large HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+                10,
+            ),
+        ] {
+            let (mut client, served) = scripted(limits, draining.clone(), Echo);
+            let script = async {
+                client.write_all(head.as_bytes()).await.unwrap();
+                client.write_all(&vec![b'x'; part]).await.unwrap();
+                let started = tokio::time::Instant::now();
+                let answer = read_all(&mut client).await;
+                (answer, started.elapsed())
+            };
+            let ((), (answer, waited)) = tokio::join!(served, script);
+            assert!(
+                waited >= Duration::from_secs(30) && waited < Duration::from_secs(31),
+                "{head}: {waited:?}"
+            );
+            if head.contains("small") {
+                // Refused by the server before the handler saw it.
+                assert!(
+                    answer.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+                    "{answer}"
+                );
+            } else {
+                // The handler saw its body fail; the connection ends after the answer.
+                assert!(answer.contains("!body failed"), "{answer}");
+            }
+        }
     }
 }

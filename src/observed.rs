@@ -7,7 +7,6 @@
 //! connection back); an upstream error records an I/O failure; a drop before the end (the client
 //! went away) records nothing but still releases the backend, and closes the connection.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -22,6 +21,7 @@ use crate::access_log;
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
 use crate::body::{BackendBody, BoxError};
+use crate::h1::StallTimer;
 
 /// What the router answers with: a proxied body or one it wrote itself.
 pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
@@ -42,7 +42,7 @@ pub struct ObservedBody {
     lease: Option<Lease>,
     // Status, `Retry-After` and the bytes relayed so far: how the lease will finish.
     outcome: Finish,
-    idle: Option<IdleTimer>,
+    idle: Option<StallTimer>,
     /// The request's access log record and trace span, finished when the body ends.
     seen: Observation,
 }
@@ -73,42 +73,6 @@ impl Observation {
         }
         if let Some(span) = self.span {
             span.finish(status, bytes, reason);
-        }
-    }
-}
-
-/// The upstream idle timeout of one response body: the timer is made on the body's first wait
-/// (a body that is ready with its head never makes one), and moved only when it fires.
-#[derive(Debug)]
-struct IdleTimer {
-    timeout: Duration,
-    progress_at: Option<Instant>,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl IdleTimer {
-    /// A frame came.
-    fn progressed(&mut self) {
-        if self.sleep.is_some() {
-            self.progress_at = Some(Instant::now());
-        }
-    }
-
-    /// Whether nothing came for the timeout (registers the wake-up otherwise).
-    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
-        let progress_at = *self.progress_at.get_or_insert_with(Instant::now);
-        let deadline = progress_at + self.timeout;
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        loop {
-            if sleep.as_mut().poll(cx).is_pending() {
-                return false;
-            }
-            if sleep.deadline() >= deadline {
-                return true;
-            }
-            sleep.as_mut().reset(deadline);
         }
     }
 }
@@ -187,11 +151,7 @@ impl ObservedBody {
 
     /// Fails the body when the backend sends nothing for `timeout` (`None`: no limit).
     pub fn set_idle_timeout(&mut self, timeout: Option<Duration>) {
-        self.idle = timeout.map(|timeout| IdleTimer {
-            timeout,
-            progress_at: None,
-            sleep: None,
-        });
+        self.idle = timeout.map(StallTimer::new);
     }
 }
 

@@ -48,7 +48,7 @@ use tokio::sync::watch;
 use super::client::Passthrough;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
-    Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, append_chunk, append_field,
+    Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, StallTimer, append_chunk, append_field,
     append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked, make_room,
     parse_content_length, poll_body,
 };
@@ -362,9 +362,7 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
                     inbound: Some(input),
                     framing,
                     slot,
-                    timeout: limits.body_read_timeout,
-                    progress_at: tokio::time::Instant::now(),
-                    timer: None,
+                    stall: StallTimer::new(limits.body_read_timeout),
                 };
                 (RequestBody::Streaming(stream), None)
             }
@@ -1026,9 +1024,7 @@ pub struct RequestStream {
     inbound: Option<Inbound>,
     framing: Framing,
     slot: Arc<Slot>,
-    timeout: Duration,
-    progress_at: tokio::time::Instant,
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    stall: StallTimer,
 }
 
 impl RequestStream {
@@ -1042,26 +1038,7 @@ impl RequestStream {
     fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         self.framing = Framing::Failed;
         self.inbound = None;
-        self.timer = None;
         Poll::Ready(Some(Err(error)))
-    }
-
-    /// Whether the client has sent nothing for the timeout (registers the wake-up otherwise).
-    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = self.progress_at + self.timeout;
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        loop {
-            if timer.as_mut().poll(cx).is_pending() {
-                return false;
-            }
-            if timer.deadline() >= deadline {
-                return true;
-            }
-            // Bytes came since the timer was set: it waits on from the last of them.
-            timer.as_mut().reset(deadline);
-        }
     }
 }
 
@@ -1079,7 +1056,7 @@ impl Body for RequestStream {
         };
         let polled = poll_body(&mut this.framing, &mut input.half, &mut input.buffer, cx);
         let Poll::Ready(polled) = polled else {
-            if this.stalled(cx) {
+            if this.stall.stalled(cx) {
                 let error = io::Error::new(io::ErrorKind::TimedOut, "request body timed out");
                 return this.fail(error);
             }
@@ -1087,7 +1064,7 @@ impl Body for RequestStream {
         };
         match polled {
             Ok(frame) => {
-                this.progress_at = tokio::time::Instant::now();
+                this.stall.progressed();
                 if this.framing.is_end() {
                     this.finish();
                 }

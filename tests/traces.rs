@@ -164,3 +164,42 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
     let line: Value = serde_json::from_str(&router.out.lock().unwrap()[0]).unwrap();
     assert_eq!(line["trace_id"], trace_id);
 }
+
+#[tokio::test]
+async fn the_standard_sampler_variable_is_honoured() {
+    let collector = spawn_backend(|_request: http::Request<hyper::body::Incoming>| async {
+        respond(StatusCode::OK, "")
+    })
+    .await;
+    let received: Arc<Mutex<Vec<String>>> = Arc::default();
+    let seen = Arc::clone(&received);
+    let backend = spawn_backend(move |request: http::Request<hyper::body::Incoming>| {
+        let seen = Arc::clone(&seen);
+        async move {
+            if let Some(value) = request.headers().get("traceparent") {
+                seen.lock()
+                    .unwrap()
+                    .push(value.to_str().unwrap().to_owned());
+            }
+            Response::new(full("ok"))
+        }
+    })
+    .await;
+    let router = spawn_router_process(&[
+        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
+        (
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            &format!("http://{}/v1/traces", collector.host_port()),
+        ),
+        ("OTEL_TRACES_SAMPLER", "always_off"),
+    ]);
+    let (status, _) = get(&format!("http://{}/", router.addr)).await;
+    assert_eq!(status, StatusCode::OK);
+    let forwarded = received.lock().unwrap().clone();
+    assert_eq!(forwarded.len(), 1, "{forwarded:?}");
+    // A trace is still propagated, marked not sampled.
+    assert!(
+        forwarded[0].starts_with("00-") && forwarded[0].ends_with("-00"),
+        "{forwarded:?}"
+    );
+}

@@ -267,3 +267,27 @@ async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn the_listen_address_is_configurable_and_checked() {
+    let router = spawn_router_process(&[("CUSTOM_ROUTER_HOST", "127.0.0.1")]);
+    let listening = router
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find_map(|entry| entry["listen"].as_str().map(str::to_owned))
+        .expect("a listening line");
+    assert!(listening.starts_with("127.0.0.1:"), "{listening}");
+    let (status, _) = get(&format!("http://{}/_custom_router/health", router.addr)).await;
+    assert_eq!(status, StatusCode::OK);
+    for bad in ["localhost", "10.0.0.1:80", "::1::"] {
+        let output = router_command(&[("CUSTOM_ROUTER_HOST", bad)])
+            .output()
+            .expect("router binary runs");
+        assert_eq!(output.status.code(), Some(2), "{bad}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("CUSTOM_ROUTER_HOST"), "{bad}: {stderr}");
+    }
+}

@@ -195,29 +195,6 @@ impl Pending {
     }
 }
 
-/// The trace id of a W3C `traceparent` value (`00-<32 hex>-<16 hex>-<2 hex>`), unless it is
-/// malformed or all zeros.
-pub fn trace_id_of(traceparent: &[u8]) -> Option<String> {
-    let text = std::str::from_utf8(traceparent).ok()?.trim();
-    let mut parts = text.split('-');
-    let (version, trace, parent, flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |part: &str, len: usize| {
-        part.len() == len
-            && part
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let valid = hex(version, 2)
-        && version != "ff"
-        && hex(trace, 32)
-        && hex(parent, 16)
-        && hex(flags, 2)
-        && trace.bytes().any(|b| b != b'0')
-        && parent.bytes().any(|b| b != b'0');
-    valid.then(|| trace.to_owned())
-}
-
 fn millis(duration: Duration) -> f64 {
     (duration.as_secs_f64() * 1e6).round() / 1e3
 }

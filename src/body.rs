@@ -78,34 +78,7 @@ impl Body for BackendBody {
     }
 }
 
-pub use crate::h1::BoxError;
-
-/// Why a client's request body could not be read to its end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyFailure {
-    /// The client sent nothing for `body_read_timeout` (answered 408).
-    TimedOut,
-    /// The client left mid-body or sent a malformed body (answered 400).
-    Broken,
-}
-
-impl BodyFailure {
-    /// The name used in logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BodyFailure::TimedOut => "client_body_timeout",
-            BodyFailure::Broken => "client_body_error",
-        }
-    }
-
-    /// What a request body's `error` says.
-    pub fn of(error: &BoxError) -> Self {
-        match error.downcast_ref::<std::io::Error>() {
-            Some(io) if io.kind() == std::io::ErrorKind::TimedOut => BodyFailure::TimedOut,
-            _ => BodyFailure::Broken,
-        }
-    }
-}
+pub use crate::h1::{BodyFailure, BoxError};
 
 /// A body held whole in memory, handed out as one frame (none when empty).
 #[derive(Debug, Default)]

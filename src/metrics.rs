@@ -173,6 +173,20 @@ impl Metrics {
             counter.add(0, &[]);
             counter
         };
+        // A counter with one label, every value of it exported from the start.
+        let labelled = |name: &'static str,
+                        description: &'static str,
+                        label: &'static str,
+                        values: &[&'static str]| {
+            let counter = meter
+                .u64_counter(name)
+                .with_description(description)
+                .build();
+            for &value in values {
+                counter.add(0, &[KeyValue::new(label, value)]);
+            }
+            counter
+        };
         let histogram = |name: &'static str, description: &'static str| {
             meter
                 .f64_histogram(name)
@@ -205,16 +219,12 @@ impl Metrics {
                 names::REQUESTS_SHED,
                 "Requests answered 503 at once because the router queue ahead of them was too long",
             ),
-            retries: {
-                let retries = meter
-                    .u64_counter(names::RETRIES)
-                    .with_description("Attempts sent again to another backend, by reason")
-                    .build();
-                for reason in RetryReason::ALL {
-                    retries.add(0, &[KeyValue::new("reason", reason.as_str())]);
-                }
-                retries
-            },
+            retries: labelled(
+                names::RETRIES,
+                "Attempts sent again to another backend, by reason",
+                "reason",
+                &RetryReason::ALL.map(RetryReason::as_str),
+            ),
             retry_budget_exhausted: counter(
                 names::RETRY_BUDGET_EXHAUSTED,
                 "Failed attempts not retried because the retry budget was spent",
@@ -239,16 +249,12 @@ impl Metrics {
                 names::DNS_LOOKUP_FAILURES,
                 "DNS lookups of configured backend names that failed (the last good addresses were kept)",
             ),
-            config_reloads: {
-                let reloads = meter
-                    .u64_counter(names::CONFIG_RELOADS)
-                    .with_description("Configuration reloads on SIGHUP, by result")
-                    .build();
-                for result in ["ok", "error"] {
-                    reloads.add(0, &[KeyValue::new("result", result)]);
-                }
-                reloads
-            },
+            config_reloads: labelled(
+                names::CONFIG_RELOADS,
+                "Configuration reloads on SIGHUP, by result",
+                "result",
+                &["ok", "error"],
+            ),
             registry,
             provider,
         })

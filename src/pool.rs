@@ -86,7 +86,7 @@ fn answered(
         Ok(response) => Ok(response),
         Err(SendError::Body(error)) => {
             tracing::debug!(%error, backend = %backend.addr(), "request body failed");
-            Err(Failure::RequestBody(BodyFailure::of(&error)))
+            Err(Failure::RequestBody(BodyFailure::of(&*error)))
         }
         Err(SendError::Failed(error)) => {
             tracing::debug!(%error, backend = %backend.addr(), "backend exchange failed");

@@ -239,7 +239,7 @@ pub async fn proxy(
     let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
         Ok(body) => body,
         Err(error) => {
-            let failure = BodyFailure::of(&error);
+            let failure = BodyFailure::of(&*error);
             return logged(seen, response::body_failure(failure), failure.as_str());
         }
     };
@@ -437,7 +437,7 @@ fn observe(
     let log = policy.access_log.as_ref().map(|log| {
         let trace_id = match &span {
             Some(span) => Some(span.trace_id()),
-            None => traceparent.and_then(access_log::trace_id_of),
+            None => traceparent.and_then(crate::traces::trace_id_of),
         };
         Box::new(access_log::Pending::new(
             log,

@@ -29,13 +29,7 @@ pub fn error(status: StatusCode, message: &str) -> Response<ResponseBody> {
 /// it left or sent a malformed body; the connection is closed after it (where the next request
 /// would start is unknown).
 pub fn body_failure(failure: BodyFailure) -> Response<ResponseBody> {
-    let mut response = match failure {
-        BodyFailure::TimedOut => error(
-            StatusCode::REQUEST_TIMEOUT,
-            "the client sent no request body bytes for body_read_timeout",
-        ),
-        BodyFailure::Broken => error(StatusCode::BAD_REQUEST, "could not read the request body"),
-    };
+    let mut response = error(failure.status(), failure.message());
     response
         .headers_mut()
         .insert(CONNECTION, HeaderValue::from_static("close"));

@@ -232,6 +232,12 @@ impl AttemptSpan {
     }
 }
 
+/// The trace id of a valid W3C `traceparent` value (see [`parse_traceparent`]), as the access
+/// log writes it.
+pub fn trace_id_of(traceparent: &[u8]) -> Option<String> {
+    parse_traceparent(traceparent).map(|context| context.trace_id().to_string())
+}
+
 /// A valid W3C `traceparent` (version 00 rules; other versions read the same four fields).
 fn parse_traceparent(value: &[u8]) -> Option<SpanContext> {
     let text = std::str::from_utf8(value).ok()?.trim();

@@ -150,22 +150,11 @@ fn classify(error: &hyper_util::client::legacy::Error) -> Failure {
         // The request body's own error comes back as hyper's "user body" error.
         let mut source = error.source();
         while let Some(cause) = source {
-            if let Some(hyper) = cause.downcast_ref::<hyper::Error>() {
-                if hyper.is_user() {
-                    let mut timed_out = false;
-                    let mut inner = hyper.source();
-                    while let Some(cause) = inner {
-                        timed_out |= cause
-                            .downcast_ref::<std::io::Error>()
-                            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut);
-                        inner = cause.source();
-                    }
-                    return Failure::RequestBody(if timed_out {
-                        BodyFailure::TimedOut
-                    } else {
-                        BodyFailure::Broken
-                    });
-                }
+            if cause
+                .downcast_ref::<hyper::Error>()
+                .is_some_and(hyper::Error::is_user)
+            {
+                return Failure::RequestBody(BodyFailure::of(cause));
             }
             source = cause.source();
         }

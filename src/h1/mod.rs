@@ -25,6 +25,57 @@ pub use client::{Connection, RequestHead, ResponseStream, SendError};
 /// A body error, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Why a client's request body could not be read to its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFailure {
+    /// The client sent nothing for `body_read_timeout` (answered 408).
+    TimedOut,
+    /// The client left mid-body or sent a malformed body (answered 400).
+    Broken,
+}
+
+impl BodyFailure {
+    /// What a request body's error says: a timeout anywhere among its causes is
+    /// [`BodyFailure::TimedOut`].
+    pub fn of(error: &(dyn std::error::Error + 'static)) -> Self {
+        let mut cause = Some(error);
+        while let Some(error) = cause {
+            if error
+                .downcast_ref::<io::Error>()
+                .is_some_and(|io| io.kind() == io::ErrorKind::TimedOut)
+            {
+                return BodyFailure::TimedOut;
+            }
+            cause = error.source();
+        }
+        BodyFailure::Broken
+    }
+
+    /// The name used in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BodyFailure::TimedOut => "client_body_timeout",
+            BodyFailure::Broken => "client_body_error",
+        }
+    }
+
+    /// The status the client is answered with.
+    pub fn status(self) -> http::StatusCode {
+        match self {
+            BodyFailure::TimedOut => http::StatusCode::REQUEST_TIMEOUT,
+            BodyFailure::Broken => http::StatusCode::BAD_REQUEST,
+        }
+    }
+
+    /// The message the client is answered with.
+    pub fn message(self) -> &'static str {
+        match self {
+            BodyFailure::TimedOut => "the client sent no request body bytes for body_read_timeout",
+            BodyFailure::Broken => "could not read the request body",
+        }
+    }
+}
+
 /// A request body the client side sends: whole in memory (it goes out with its length, in the
 /// same write as the head when small), or streamed (chunked unless the head gives a length).
 pub trait OutgoingBody: http_body::Body<Data = Bytes, Error = BoxError> + Unpin {

@@ -48,9 +48,9 @@ use tokio::sync::watch;
 use super::client::Passthrough;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
-    Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, StallTimer, append_chunk, append_field,
-    append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked, make_room,
-    parse_content_length, poll_body,
+    BodyFailure, Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, StallTimer, append_chunk,
+    append_field, append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked,
+    make_room, parse_content_length, poll_body,
 };
 
 /// Request bodies of known length up to this many bytes are read with their head.
@@ -237,14 +237,6 @@ impl Body for RequestBody {
     }
 }
 
-/// Why a request body could not be read with its head.
-enum BodyError {
-    /// Nothing came for the body timeout.
-    TimedOut,
-    /// The connection ended or failed.
-    Broken,
-}
-
 /// A refusal the server writes itself: `{"error": message}` with `status`, then the connection
 /// closes.
 fn refusal(out: &mut Vec<u8>, status: StatusCode, message: &str) {
@@ -340,16 +332,13 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
             BodyLength::Length(length) if length <= READ_WHOLE => {
                 match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
                     Ok(bytes) => (RequestBody::Whole(Some(bytes)), Some(input)),
-                    Err(BodyError::TimedOut) => {
-                        refusal(
-                            &mut out,
-                            StatusCode::REQUEST_TIMEOUT,
-                            "the client sent no request body bytes for body_read_timeout",
-                        );
+                    Err(BodyFailure::TimedOut) => {
+                        let failure = BodyFailure::TimedOut;
+                        refusal(&mut out, failure.status(), failure.message());
                         let _ = writer.write_all(&out).await;
                         return;
                     }
-                    Err(BodyError::Broken) => return,
+                    Err(BodyFailure::Broken) => return,
                 }
             }
             length => {
@@ -445,14 +434,14 @@ async fn read_whole(
     input: &mut Inbound,
     length: usize,
     timeout: Duration,
-) -> Result<Bytes, BodyError> {
+) -> Result<Bytes, BodyFailure> {
     while input.buffer.len() < length {
         if input.buffer.capacity() < length {
             input.buffer.reserve(length - input.buffer.len());
         }
         match tokio::time::timeout(timeout, input.fill()).await {
-            Err(_) => return Err(BodyError::TimedOut),
-            Ok(Ok(0) | Err(_)) => return Err(BodyError::Broken),
+            Err(_) => return Err(BodyFailure::TimedOut),
+            Ok(Ok(0) | Err(_)) => return Err(BodyFailure::Broken),
             Ok(Ok(_)) => {}
         }
     }

@@ -1,11 +1,11 @@
 //! The Grafana dashboard (`docs/grafana/custom-router.json`) matches the metrics the router
 //! exports: every metric a panel queries is exported, and every exported family has a panel.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+mod common;
 
-use custom_router::balancer::Balancer;
-use custom_router::config::{Config, Settings};
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::rendered_metrics;
 use serde_json::Value;
 
 const DASHBOARD: &str = "docs/grafana/custom-router.json";
@@ -19,19 +19,7 @@ fn dashboard() -> Value {
 /// Every exported metric family with its type (`counter`, `gauge`, `histogram`), rendered as
 /// `tests/docs.rs` does: one backend with a latency sample, one sample in each histogram.
 fn exported_families() -> BTreeMap<String, String> {
-    let settings = Settings::from_config(Config::default()).unwrap();
-    let balancer: Arc<Balancer> = settings.balancer().unwrap();
-    let backends = balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
-    backends[0].record_latency(0.1, 0.3);
-    let metrics = balancer.metrics();
-    for histogram in [
-        &metrics.request_duration,
-        &metrics.time_to_first_byte,
-        &metrics.queue_wait,
-    ] {
-        histogram.record(0.1, &[]);
-    }
-    let text = metrics.render().unwrap();
+    let text = rendered_metrics();
     let families: BTreeMap<String, String> = text
         .lines()
         .filter_map(|line| line.strip_prefix("# TYPE "))

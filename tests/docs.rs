@@ -3,10 +3,8 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use custom_router::balancer::Balancer;
-use custom_router::config::{Config, ENV_VARS, Settings};
+use common::rendered_metrics;
+use custom_router::config::ENV_VARS;
 use custom_router::strategies::REGISTRY;
 
 fn read(path: &str) -> String {
@@ -40,19 +38,7 @@ fn every_environment_variable_is_documented() {
 
 #[test]
 fn every_exported_metric_is_documented() {
-    let settings = Settings::from_config(Config::default()).unwrap();
-    let balancer: Arc<Balancer> = settings.balancer().unwrap();
-    let backends = balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
-    backends[0].record_latency(0.1, 0.3);
-    let metrics = balancer.metrics();
-    for histogram in [
-        &metrics.request_duration,
-        &metrics.time_to_first_byte,
-        &metrics.queue_wait,
-    ] {
-        histogram.record(0.1, &[]);
-    }
-    let text = balancer.metrics().render().unwrap();
+    let text = rendered_metrics();
     let names: Vec<&str> = text
         .lines()
         .filter_map(|line| line.strip_prefix("# TYPE "))

@@ -448,22 +448,11 @@ async fn a_request_whose_first_segment_is_a_lone_p_is_served_by_the_http1_server
     set_backends(router.addr, &[backend.host_port()]).await;
     // A prefix of the HTTP/2 preface, then the rest of a POST with both lengths: the HTTP/1
     // server reads it whole and refuses it, as it refuses any such request.
-    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
-    client.set_nodelay(true).unwrap();
-    client.write_all(b"P").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    client
-        .write_all(
-            b"OST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-        )
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut answer))
-        .await
-        .expect("the connection closes")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = after_a_lone_p(
+        router.addr,
+        b"OST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    )
+    .await;
     assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
     assert!(
         answer.contains("both Transfer-Encoding and Content-Length"),
@@ -471,20 +460,26 @@ async fn a_request_whose_first_segment_is_a_lone_p_is_served_by_the_http1_server
     );
     assert_eq!(backend.hits(), 0);
     // A request split the same way that is well formed is proxied.
-    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    let answer = after_a_lone_p(
+        router.addr,
+        b"OST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.ends_with('p'), "{answer}");
+}
+
+/// Sends a lone `P` in its own segment, then `rest`, and reads until the router closes.
+async fn after_a_lone_p(router: std::net::SocketAddr, rest: &[u8]) -> String {
+    let mut client = tokio::net::TcpStream::connect(router).await.unwrap();
     client.set_nodelay(true).unwrap();
     client.write_all(b"P").await.unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    client
-        .write_all(b"OST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
-        .await
-        .unwrap();
+    client.write_all(rest).await.unwrap();
     let mut answer = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut answer))
         .await
         .expect("the connection closes")
         .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
-    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
-    assert!(answer.ends_with('p'), "{answer}");
+    String::from_utf8_lossy(&answer).into_owned()
 }

@@ -525,6 +525,24 @@ pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
     }
 }
 
+/// The metrics text of a fresh balancer with every family present: one backend with a latency
+/// sample, one sample in each histogram.
+pub fn rendered_metrics() -> String {
+    let settings = Settings::from_config(Config::default()).unwrap();
+    let balancer = settings.balancer().unwrap();
+    let backends = balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
+    backends[0].record_latency(0.1, 0.3);
+    let metrics = balancer.metrics();
+    for histogram in [
+        &metrics.request_duration,
+        &metrics.time_to_first_byte,
+        &metrics.queue_wait,
+    ] {
+        histogram.record(0.1, &[]);
+    }
+    metrics.render().unwrap()
+}
+
 /// Polls `condition` until it holds or `deadline` passes; returns whether it held.
 pub async fn eventually(deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
     let until = tokio::time::Instant::now() + deadline;

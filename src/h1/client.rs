@@ -1,6 +1,6 @@
 //! HTTP/1.1 client connections to plain-HTTP backends, built for proxying.
 //!
-//! A [`Connection`] is a TCP stream with a read buffer and a write buffer that live as long as the
+//! A [`Connection`] is a byte stream (a TCP socket, or any [`Transport`]) with a read buffer and a write buffer that live as long as the
 //! connection. [`Connection::send`] writes the request (head and, for a body in memory, the body
 //! in one write), reads the response head, and returns the response with a [`ResponseStream`]
 //! that owns the connection and reads the body from the socket as the client's side polls it, in
@@ -29,9 +29,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{ReadHalf, WriteHalf};
 
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
@@ -43,10 +42,36 @@ use super::{
 /// A body in memory up to this size is copied behind the head and sent in the same write.
 const COALESCE_BODY: usize = 16 * 1024;
 
+/// The byte stream a client [`Connection`] runs over: any `AsyncRead + AsyncWrite` whose read and
+/// write sides can be borrowed at once (a request body may still be going out while the answer
+/// comes in). TCP sockets are one; tests script the backend's bytes over in-memory pipes.
+pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// The read side, borrowed.
+    type Reader<'a>: AsyncRead + Unpin + Send
+    where
+        Self: 'a;
+    /// The write side, borrowed.
+    type Writer<'a>: AsyncWrite + Unpin + Send
+    where
+        Self: 'a;
+
+    /// Borrows the two sides at once.
+    fn split(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>);
+}
+
+impl Transport for TcpStream {
+    type Reader<'a> = tokio::net::tcp::ReadHalf<'a>;
+    type Writer<'a> = tokio::net::tcp::WriteHalf<'a>;
+
+    fn split(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>) {
+        TcpStream::split(self)
+    }
+}
+
 /// An HTTP/1.1 connection to a backend, idle between exchanges.
 #[derive(Debug)]
-pub struct Connection {
-    stream: TcpStream,
+pub struct Connection<S = TcpStream> {
+    stream: S,
     read: BytesMut,
     write: Vec<u8>,
     /// The last response's end-to-end header lines, as the backend sent them.
@@ -66,9 +91,9 @@ pub enum SendError<B> {
     Body(BoxError),
 }
 
-impl Connection {
+impl<S: Transport> Connection<S> {
     /// Wraps a connected stream.
-    pub fn new(stream: TcpStream) -> Self {
+    pub fn new(stream: S) -> Self {
         Self {
             stream,
             read: BytesMut::with_capacity(READ_BUFFER),
@@ -82,33 +107,22 @@ impl Connection {
     /// read as the answer to the next request, so a connection with unread input is closed.
     ///
     /// Like hyper's client ("unexpected message on idle connection") and nginx's keepalive
-    /// close handler, this reads the runtime's readiness for the socket, which the reactor sets
-    /// when a segment arrives: when it says nothing came since the last read, no system call is
-    /// made. When it says the socket is readable, one non-blocking `recv` with `MSG_PEEK` asks
-    /// the kernel whether that is a byte or the end of the stream (or stale readiness).
-    pub fn is_clean(&self) -> bool {
+    /// close handler, this polls the stream once for input without waiting. On a TCP socket the
+    /// runtime answers from the readiness its reactor keeps: when nothing came since the last
+    /// read, no system call is made; otherwise one non-blocking `recv` tells a byte or the end
+    /// of the stream (the connection is then dropped, so a byte read here is not lost to
+    /// anyone) from stale readiness (which it clears).
+    pub fn is_clean(&mut self) -> bool {
         if !self.read.is_empty() {
             return false;
         }
         let mut context = Context::from_waker(std::task::Waker::noop());
-        match self.stream.poll_read_ready(&mut context) {
-            Poll::Pending => true,
-            Poll::Ready(_) => self.kernel_says_clean(),
-        }
-    }
-
-    /// [`Connection::is_clean`] asking the kernel whatever the runtime's readiness says (the
-    /// periodic reap of idle connections).
-    pub fn kernel_says_clean(&self) -> bool {
-        if !self.read.is_empty() {
-            return false;
-        }
         let mut byte = [MaybeUninit::<u8>::uninit(); 1];
-        match socket2::SockRef::from(&self.stream).peek(&mut byte) {
-            Err(error) => error.kind() == io::ErrorKind::WouldBlock,
-            // A byte, or the end of the stream.
-            Ok(_) => false,
-        }
+        let mut probe = ReadBuf::uninit(&mut byte);
+        // Ready means a byte, the end of the stream, or an error.
+        Pin::new(&mut self.stream)
+            .poll_read(&mut context, &mut probe)
+            .is_pending()
     }
 
     /// Sends the request `head` with `body` and reads the response head. The response body
@@ -120,7 +134,7 @@ impl Connection {
         head: &RequestHead<'_>,
         mut body: B,
         stall: Option<Duration>,
-    ) -> Result<Response<ResponseStream>, SendError<B>> {
+    ) -> Result<Response<ResponseStream<S>>, SendError<B>> {
         let chunked = encode_head(&mut self.write, head, &body);
         let head_request = *head.method == Method::HEAD;
         // A body in memory goes behind the head, in the same write when it is small.
@@ -134,11 +148,15 @@ impl Connection {
         }
         // The first write tells whether the connection still takes requests; most requests
         // fit in it whole, and then only the answer is left to wait for.
-        let written = match self.stream.try_write(&self.write) {
-            Ok(0) => return Err(SendError::Unsent(body)),
-            Ok(written) => written,
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => 0,
-            Err(_) => return Err(SendError::Unsent(body)),
+        // A write that does not wait: polled once, with a waker that is never woken.
+        let first = {
+            let mut context = Context::from_waker(std::task::Waker::noop());
+            Pin::new(&mut self.stream).poll_write(&mut context, &self.write)
+        };
+        let written = match first {
+            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Err(SendError::Unsent(body)),
+            Poll::Ready(Ok(written)) => written,
+            Poll::Pending => 0,
         };
         let whole = written == self.write.len() && rest_of_body.is_none() && body.is_whole();
         let outcome = if whole {
@@ -326,7 +344,7 @@ struct Pending<'a> {
 /// Every write after the first must make progress within `stall` (when set): a backend that
 /// stops reading the request must not hold the exchange, and the client's connection, forever.
 async fn write_request(
-    writer: &mut WriteHalf<'_>,
+    writer: &mut (impl AsyncWrite + Unpin),
     pending: Pending<'_>,
     body: &mut impl OutgoingBody,
     chunked: bool,
@@ -436,7 +454,7 @@ pub struct Passthrough {
 
 /// Reads until a final response head is complete; interim (1xx) responses are passed over.
 async fn read_head(
-    reader: &mut ReadHalf<'_>,
+    reader: &mut (impl AsyncRead + Unpin),
     buffer: &mut BytesMut,
     lines: &mut BytesMut,
     head_request: bool,
@@ -629,14 +647,14 @@ fn parse_head(
 
 /// A response body read from its connection as it is polled.
 #[derive(Debug)]
-pub struct ResponseStream {
-    connection: Option<Connection>,
+pub struct ResponseStream<S = TcpStream> {
+    connection: Option<Connection<S>>,
     framing: Framing,
     keep_alive: bool,
     passthrough: Option<Passthrough>,
 }
 
-impl ResponseStream {
+impl<S: Transport> ResponseStream<S> {
     /// The response's fields as the lines the backend sent, when they were left as lines (the
     /// response head's map is then empty).
     pub fn passthrough(&self) -> Option<&Passthrough> {
@@ -644,7 +662,7 @@ impl ResponseStream {
     }
 
     /// The connection, once the body was read to its end and the exchange left it reusable.
-    pub fn take_connection(&mut self) -> Option<Connection> {
+    pub fn take_connection(&mut self) -> Option<Connection<S>> {
         // A body known to be empty (`HEAD`, 204, 304, `Content-Length: 0`) may never be polled.
         let reusable = self.framing.is_end()
             && self.keep_alive
@@ -666,7 +684,7 @@ impl ResponseStream {
     }
 }
 
-impl Body for ResponseStream {
+impl<S: Transport> Body for ResponseStream<S> {
     type Data = Bytes;
     type Error = io::Error;
 
@@ -693,6 +711,10 @@ impl Body for ResponseStream {
         self.framing.size_hint()
     }
 }
+
+#[cfg(test)]
+#[path = "client_scripted.rs"]
+mod scripted;
 
 #[cfg(test)]
 mod tests {

@@ -10,9 +10,11 @@ use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Connection;
+use super::client::Transport;
 
 /// Idle connections kept per backend; more are closed when they come back.
 pub const MAX_IDLE_PER_BACKEND: usize = 128;
@@ -20,18 +22,25 @@ pub const MAX_IDLE_PER_BACKEND: usize = 128;
 /// How long a connection may stay idle before it is closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-struct Idle {
-    connection: Connection,
+struct Idle<S> {
+    connection: Connection<S>,
     since: Instant,
 }
 
 /// A backend's idle keep-alive connections, most recently used last.
-#[derive(Default)]
-pub struct IdleConnections {
-    stack: Mutex<VecDeque<Idle>>,
+pub struct IdleConnections<S = TcpStream> {
+    stack: Mutex<VecDeque<Idle<S>>>,
 }
 
-impl std::fmt::Debug for IdleConnections {
+impl<S> Default for IdleConnections<S> {
+    fn default() -> Self {
+        Self {
+            stack: Mutex::new(VecDeque::new()),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for IdleConnections<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdleConnections")
             .field("idle", &self.len())
@@ -39,21 +48,28 @@ impl std::fmt::Debug for IdleConnections {
     }
 }
 
-impl IdleConnections {
-    fn lock(&self) -> MutexGuard<'_, VecDeque<Idle>> {
+impl<S> IdleConnections<S> {
+    fn lock(&self) -> MutexGuard<'_, VecDeque<Idle<S>>> {
         self.stack
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Idle connections waiting.
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.lock().len()
     }
 
+    /// Whether no connection waits.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<S: Transport> IdleConnections<S> {
     /// Puts back a connection whose last exchange ended cleanly (at `since`), unless the
     /// backend already sent something more on it.
-    pub fn put(&self, connection: Connection, since: Instant) {
+    pub fn put(&self, mut connection: Connection<S>, since: Instant) {
         if !connection.is_clean() {
             return;
         }
@@ -68,18 +84,17 @@ impl IdleConnections {
     /// sent anything (bytes or the end of the stream) since their last response.
     pub fn reap(&self, timeout: Duration) {
         let now = Instant::now();
-        self.lock().retain(|idle| {
-            now.saturating_duration_since(idle.since) < timeout
-                && idle.connection.kernel_says_clean()
+        self.lock().retain_mut(|idle| {
+            now.saturating_duration_since(idle.since) < timeout && idle.connection.is_clean()
         });
     }
 
     /// Takes the most recently used idle connection on which the backend has sent nothing since
     /// its last response; the others are closed on the way.
-    pub fn checkout(&self) -> Option<Connection> {
+    pub fn checkout(&self) -> Option<Connection<S>> {
         let now = Instant::now();
         loop {
-            let idle = {
+            let mut idle = {
                 let mut stack = self.lock();
                 let idle = stack.pop_back()?;
                 if now.saturating_duration_since(idle.since) >= IDLE_TIMEOUT {

@@ -9,71 +9,38 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::Either;
 use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::h1::server::RequestBody as H1Body;
 use crate::h1::{Connection, ResponseStream};
 
-/// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`]), or from
-/// the TLS client.
-// One per response, moved into place once: boxing the stream would allocate per request.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-pub enum BackendBody {
-    /// From a plain-HTTP backend; the connection comes back once the body was read to its end.
-    Pooled(ResponseStream),
-    /// From an `https://` backend.
-    Tls(Incoming),
-}
+/// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`], on the
+/// left), or from the TLS client (on the right).
+pub type BackendBody = Either<ResponseStream, Incoming>;
 
-impl BackendBody {
+/// What a pooled connection's body says beyond its bytes.
+pub trait Pooled {
     /// A plain-HTTP backend's field lines, when they were left as lines.
-    pub fn passthrough(&self) -> Option<&crate::h1::client::Passthrough> {
-        match self {
-            BackendBody::Pooled(stream) => stream.passthrough(),
-            BackendBody::Tls(_) => None,
-        }
-    }
+    fn passthrough(&self) -> Option<&crate::h1::client::Passthrough>;
 
     /// The pooled connection, once the body was read to its end and the connection is reusable.
-    pub fn take_connection(&mut self) -> Option<Connection> {
-        match self {
-            BackendBody::Pooled(stream) => stream.take_connection(),
-            BackendBody::Tls(_) => None,
-        }
-    }
+    fn take_connection(&mut self) -> Option<Connection>;
 }
 
-impl Body for BackendBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            BackendBody::Pooled(stream) => Pin::new(stream)
-                .poll_frame(cx)
-                .map_err(|error| Box::new(error) as BoxError),
-            BackendBody::Tls(incoming) => Pin::new(incoming)
-                .poll_frame(cx)
-                .map_err(|error| Box::new(error) as BoxError),
+impl Pooled for BackendBody {
+    fn passthrough(&self) -> Option<&crate::h1::client::Passthrough> {
+        match self {
+            Either::Left(stream) => stream.passthrough(),
+            Either::Right(_) => None,
         }
     }
 
-    fn is_end_stream(&self) -> bool {
+    fn take_connection(&mut self) -> Option<Connection> {
         match self {
-            BackendBody::Pooled(stream) => stream.is_end_stream(),
-            BackendBody::Tls(incoming) => incoming.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            BackendBody::Pooled(stream) => stream.size_hint(),
-            BackendBody::Tls(incoming) => incoming.size_hint(),
+            Either::Left(stream) => stream.take_connection(),
+            Either::Right(_) => None,
         }
     }
 }
@@ -117,55 +84,9 @@ impl Body for Whole {
     }
 }
 
-/// A client's request body: read whole by the HTTP/1 server, streamed from its connection, or
-/// from hyper (HTTP/2 connections).
-#[derive(Debug)]
-pub enum ClientBody {
-    /// From the HTTP/1 server: read whole with the head, or from the connection as polled.
-    H1(H1Body),
-    /// From hyper's server.
-    Hyper(Incoming),
-}
-
-impl ClientBody {
-    /// An empty body.
-    pub fn empty() -> Self {
-        ClientBody::H1(H1Body::Whole(None))
-    }
-}
-
-impl Body for ClientBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            ClientBody::H1(body) => Pin::new(body)
-                .poll_frame(cx)
-                .map_err(|error| Box::new(error) as BoxError),
-            ClientBody::Hyper(incoming) => Pin::new(incoming)
-                .poll_frame(cx)
-                .map_err(|error| Box::new(error) as BoxError),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            ClientBody::H1(body) => body.is_end_stream(),
-            ClientBody::Hyper(incoming) => incoming.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            ClientBody::H1(body) => body.size_hint(),
-            ClientBody::Hyper(incoming) => incoming.size_hint(),
-        }
-    }
-}
+/// A client's request body: from the HTTP/1 server (on the left: read whole with the head, or
+/// from the connection as polled), or from hyper (HTTP/2 connections, on the right).
+pub type ClientBody = Either<H1Body, Incoming>;
 
 /// A request body sent to a backend: bytes kept in memory (replayable for a retry), or the
 /// client's body streamed through after the part already read.

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use crate::access_log;
 use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
-use crate::body::{BackendBody, BoxError};
+use crate::body::{BackendBody, BoxError, Pooled};
 use crate::h1::StallTimer;
 
 /// What the router answers with: a proxied body or one it wrote itself.

@@ -19,7 +19,7 @@ use tokio::sync::Semaphore;
 use crate::access_log::{self, AccessLog};
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::balancer::{Balancer, Finish, Lease, Rejection};
-use crate::body::{BodyFailure, ClientBody, RequestBody, UpstreamBody};
+use crate::body::{BodyFailure, ClientBody, Pooled, RequestBody, UpstreamBody};
 use crate::classify::Class;
 use crate::forwarding::{ForwardedFor, HeadFields, RequestHead, remove_hop_by_hop};
 use crate::h1::{FieldLines, Fields};

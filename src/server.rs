@@ -413,7 +413,7 @@ impl Acceptor {
                 let client = Arc::clone(&client);
                 async move {
                     let mut answer =
-                        route(&shared, request.map(ClientBody::Hyper), None, &client).await;
+                        route(&shared, request.map(ClientBody::Right), None, &client).await;
                     fields_into_map(&mut answer);
                     Ok::<_, Infallible>(answer)
                 }
@@ -532,7 +532,7 @@ impl h1::server::Handler for Routes {
     ) -> impl Future<Output = Response<ResponseBody>> {
         route(
             &self.shared,
-            request.map(ClientBody::H1),
+            request.map(ClientBody::Left),
             fields,
             &self.client,
         )

@@ -67,7 +67,7 @@ impl UpstreamClient {
                     self.connect_timeout,
                     self.stall_timeout,
                 )
-                .map(|sent| sent.map(|response| response.map(BackendBody::Pooled))),
+                .map(|sent| sent.map(|response| response.map(BackendBody::Left))),
             )
         }
     }
@@ -89,7 +89,7 @@ impl UpstreamClient {
         });
         let request = head.tls_request(addr, body, last);
         match https.request(request).await {
-            Ok(response) => Ok(response.map(BackendBody::Tls)),
+            Ok(response) => Ok(response.map(BackendBody::Right)),
             Err(error) => Err(classify(&error)),
         }
     }

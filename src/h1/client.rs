@@ -29,18 +29,16 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
-    BoxError, Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, OutgoingBody, READ_BUFFER, Span,
-    append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection, digits,
-    field_spans, hop_by_hop, invalid, is_chunked, make_room, parse_content_length, poll_body,
+    BoxError, COALESCE, Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, OutgoingBody, ReadSize,
+    Span, append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection,
+    digits, field_spans, hop_by_hop, invalid, is_chunked, parse_content_length, poll_body,
+    write_all_vectored,
 };
-
-/// A body in memory up to this size is copied behind the head and sent in the same write.
-const COALESCE_BODY: usize = 16 * 1024;
 
 /// The byte stream a client [`Connection`] runs over: any `AsyncRead + AsyncWrite` whose read and
 /// write sides can be borrowed at once (a request body may still be going out while the answer
@@ -73,6 +71,7 @@ impl Transport for TcpStream {
 pub struct Connection<S = TcpStream> {
     stream: S,
     read: BytesMut,
+    read_size: ReadSize,
     write: Vec<u8>,
     /// The last response's end-to-end header lines, as the backend sent them.
     fields: BytesMut,
@@ -96,8 +95,9 @@ impl<S: Transport> Connection<S> {
     pub fn new(stream: S) -> Self {
         Self {
             stream,
-            read: BytesMut::with_capacity(READ_BUFFER),
-            write: Vec::with_capacity(1024),
+            read: ReadSize::buffer(),
+            read_size: ReadSize::new(),
+            write: Vec::with_capacity(512),
             fields: BytesMut::with_capacity(512),
         }
     }
@@ -137,10 +137,11 @@ impl<S: Transport> Connection<S> {
     ) -> Result<Response<ResponseStream<S>>, SendError<B>> {
         let chunked = encode_head(&mut self.write, head, &body);
         let head_request = *head.method == Method::HEAD;
-        // A body in memory goes behind the head, in the same write when it is small.
+        // A body in memory goes out with the head: copied behind it when small, else in the
+        // same vectored write from where it is.
         let mut rest_of_body = None;
         if let Some(bytes) = body.in_memory() {
-            if bytes.len() <= COALESCE_BODY {
+            if bytes.len() <= COALESCE {
                 self.write.extend_from_slice(bytes);
             } else {
                 rest_of_body = Some(bytes.clone());
@@ -151,24 +152,46 @@ impl<S: Transport> Connection<S> {
         // A write that does not wait: polled once, with a waker that is never woken.
         let first = {
             let mut context = Context::from_waker(std::task::Waker::noop());
-            Pin::new(&mut self.stream).poll_write(&mut context, &self.write)
+            let stream = Pin::new(&mut self.stream);
+            match &rest_of_body {
+                None => stream.poll_write(&mut context, &self.write),
+                Some(rest) => {
+                    let parts = [io::IoSlice::new(&self.write), io::IoSlice::new(rest)];
+                    stream.poll_write_vectored(&mut context, &parts)
+                }
+            }
         };
         let written = match first {
             Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Err(SendError::Unsent(body)),
             Poll::Ready(Ok(written)) => written,
             Poll::Pending => 0,
         };
+        // What of the body went out with the head.
+        let body_written = written.saturating_sub(self.write.len());
+        let written = written.min(self.write.len());
+        if let Some(rest) = rest_of_body.as_mut() {
+            rest.advance(body_written);
+            if rest.is_empty() {
+                rest_of_body = None;
+            }
+        }
         let whole = written == self.write.len() && rest_of_body.is_none() && body.is_whole();
         let outcome = if whole {
-            let (mut reader, _) = self.stream.split();
-            Outcome::Answered(
-                read_head(&mut reader, &mut self.read, &mut self.fields, head_request).await,
-                true,
-            )
+            let Connection {
+                stream,
+                read,
+                read_size,
+                fields,
+                ..
+            } = &mut self;
+            let (mut reader, _) = stream.split();
+            let answer = read_head(&mut reader, read, read_size, fields, head_request).await;
+            Outcome::Answered(answer, true)
         } else {
             let Connection {
                 stream,
                 read,
+                read_size,
                 write,
                 fields,
             } = &mut self;
@@ -179,7 +202,7 @@ impl<S: Transport> Connection<S> {
                 first: written == 0,
             };
             let sending = write_request(&mut writer, pending, &mut body, chunked, stall);
-            let receiving = read_head(&mut reader, read, fields, head_request);
+            let receiving = read_head(&mut reader, read, read_size, fields, head_request);
             tokio::pin!(sending, receiving);
             tokio::select! {
                 biased;
@@ -351,16 +374,31 @@ async fn write_request(
     stall: Option<Duration>,
 ) -> Result<(), WriteError> {
     let mut head = pending.head;
+    let mut rest_of_body = pending.rest_of_body;
     if pending.first {
-        match writer.write(head).await {
+        let written = match &rest_of_body {
+            None => writer.write(head).await,
+            Some(rest) => {
+                let parts = [io::IoSlice::new(head), io::IoSlice::new(rest)];
+                writer.write_vectored(&parts).await
+            }
+        };
+        match written {
             Ok(0) | Err(_) => return Err(WriteError::Unsent),
-            Ok(written) => head = &head[written..],
+            Ok(written) => {
+                let body_written = written.saturating_sub(head.len());
+                head = &head[written.min(head.len())..];
+                if let Some(rest) = rest_of_body.as_mut() {
+                    rest.advance(body_written);
+                }
+            }
         }
     }
-    bounded(stall, writer.write_all(head)).await?;
-    if let Some(bytes) = pending.rest_of_body {
-        return bounded(stall, writer.write_all(&bytes)).await;
+    if let Some(bytes) = rest_of_body {
+        let mut parts = [io::IoSlice::new(head), io::IoSlice::new(&bytes)];
+        return bounded(stall, write_all_vectored(writer, &mut parts)).await;
     }
+    bounded(stall, writer.write_all(head)).await?;
     if body.is_whole() {
         return Ok(());
     }
@@ -387,15 +425,18 @@ async fn write_request(
         }
         if chunked {
             framing.clear();
-            if data.len() <= COALESCE_BODY {
+            if data.len() <= COALESCE {
                 append_chunk(&mut framing, &data);
                 bounded(stall, writer.write_all(&framing)).await?;
                 continue;
             }
             append_chunk_size(&mut framing, data.len());
-            bounded(stall, writer.write_all(&framing)).await?;
-            bounded(stall, writer.write_all(&data)).await?;
-            bounded(stall, writer.write_all(b"\r\n")).await?;
+            let mut parts = [
+                io::IoSlice::new(&framing),
+                io::IoSlice::new(&data),
+                io::IoSlice::new(b"\r\n"),
+            ];
+            bounded(stall, write_all_vectored(writer, &mut parts)).await?;
         } else {
             bounded(stall, writer.write_all(&data)).await?;
         }
@@ -456,6 +497,7 @@ pub struct Passthrough {
 async fn read_head(
     reader: &mut (impl AsyncRead + Unpin),
     buffer: &mut BytesMut,
+    size: &mut ReadSize,
     lines: &mut BytesMut,
     head_request: bool,
 ) -> io::Result<Head> {
@@ -473,8 +515,7 @@ async fn read_head(
                 return Err(invalid("response head too large"));
             }
         }
-        make_room(buffer);
-        if reader.read_buf(buffer).await? == 0 {
+        if size.fill(reader, buffer).await? == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "connection closed before a response",
@@ -671,7 +712,11 @@ impl<S: Transport> ResponseStream<S> {
                 .as_ref()
                 .is_some_and(|connection| connection.read.is_empty());
         if reusable {
-            self.connection.take()
+            let mut connection = self.connection.take()?;
+            // An idle connection keeps a small buffer, whatever the answer grew it to.
+            connection.read_size = ReadSize::new();
+            connection.read_size.shrink(&mut connection.read);
+            Some(connection)
         } else {
             None
         }
@@ -696,8 +741,13 @@ impl<S: Transport> Body for ResponseStream<S> {
         let Some(connection) = this.connection.as_mut() else {
             return Poll::Ready(None);
         };
-        let Connection { stream, read, .. } = connection;
-        match ready!(poll_body(&mut this.framing, stream, read, cx)) {
+        let Connection {
+            stream,
+            read,
+            read_size,
+            ..
+        } = connection;
+        match ready!(poll_body(&mut this.framing, stream, read, read_size, cx)) {
             Ok(frame) => Poll::Ready(frame.map(Ok)),
             Err(error) => this.fail(error),
         }

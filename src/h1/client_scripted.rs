@@ -462,3 +462,44 @@ async fn a_head_answer_has_no_body_and_one_that_announces_a_body_closes_its_conn
         assert_eq!(kept, reusable, "{}", String::from_utf8_lossy(answer));
     }
 }
+
+#[tokio::test]
+async fn large_bodies_go_out_whole_from_where_they_are() {
+    // A body in memory larger than what is copied behind the head, and a streamed frame larger
+    // than what is copied behind its chunk line: both reach the backend byte for byte.
+    let large: Bytes = (0..5000u32).map(|i| b'a' + (i % 26) as u8).collect();
+    let headers = HeaderMap::new();
+    let method = Method::POST;
+    let request = head(&method, "/big", &headers);
+    for streamed in [false, true] {
+        let (connection, mut far) = pipe(512);
+        let body = if streamed {
+            TestBody::Frames(VecDeque::from([Some(Ok(large.clone()))]))
+        } else {
+            TestBody::Whole(Some(large.clone()))
+        };
+        let mut expected = b"POST /big HTTP/1.1\r\nhost: backend\r\n".to_vec();
+        if streamed {
+            expected.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n1388\r\n");
+            expected.extend_from_slice(&large);
+            expected.extend_from_slice(b"\r\n0\r\n\r\n");
+        } else {
+            expected.extend_from_slice(b"content-length: 5000\r\n\r\n");
+            expected.extend_from_slice(&large);
+        }
+        let backend = async {
+            expect_request(&mut far, &expected).await;
+            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            far
+        };
+        let client = async {
+            let sent = connection.send(&request, body, None);
+            let mut response = sent.await.map_err(|_| "send failed").unwrap();
+            response.body_mut().take_connection().is_some()
+        };
+        let (_far, reusable) = tokio::join!(backend, client);
+        assert!(reusable, "streamed: {streamed}");
+    }
+}

@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http_body::{Frame, SizeHint};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 pub mod client;
 pub mod fields;
@@ -94,16 +94,89 @@ pub const MAX_HEADERS: usize = 100;
 /// Longest chunk-size line accepted (extensions included).
 pub const MAX_LINE_BYTES: usize = 4096;
 
-/// Room kept free in a read buffer before a read; it grows by [`READ_BUFFER`] when less is left.
-const MIN_READ: usize = 1024;
-/// The size a connection's read buffer starts with, and grows by.
-pub(crate) const READ_BUFFER: usize = 8 * 1024;
+/// The size a connection's read buffer starts with, and the least a read asks for: a request
+/// head, a streamed event or a small answer fit (nginx's `client_header_buffer_size` is 1 KiB
+/// too); larger messages grow it ([`ReadSize`]).
+pub(crate) const READ_BUFFER: usize = 1024;
+/// The most a read asks for.
+pub(crate) const MAX_READ: usize = 64 * 1024;
+/// Messages this size or smaller are copied into the connection's write buffer behind their
+/// head or chunk line and go out in one write; larger ones are written from where they are
+/// with one vectored write.
+pub(crate) const COALESCE: usize = 1024;
 
-/// Makes room in `buffer` for the next read.
-pub(crate) fn make_room(buffer: &mut BytesMut) {
-    if buffer.capacity() - buffer.len() < MIN_READ {
-        buffer.reserve(READ_BUFFER);
+/// How much a connection's next read asks for. It doubles while reads fill all they were given
+/// (a large body arriving), and halves back towards [`READ_BUFFER`] when they take less than a
+/// quarter (a stream of small events). Where a connection waits ([`ReadSize::shrink`]: before a
+/// body's next read, while a client waits for its answer, an idle connection), a buffer left
+/// empty and more than twice that size is given up for one of that size, so a large message does
+/// not leave its connection holding a large buffer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReadSize(u32);
+
+impl ReadSize {
+    pub(crate) const fn new() -> Self {
+        Self(READ_BUFFER as u32)
     }
+
+    /// A buffer of the size reads start with.
+    pub(crate) fn buffer() -> BytesMut {
+        BytesMut::with_capacity(READ_BUFFER)
+    }
+
+    /// Gives up an empty buffer more than twice the size reads now ask for.
+    pub(crate) fn shrink(&self, buffer: &mut BytesMut) {
+        let want = self.0 as usize;
+        if buffer.is_empty() && buffer.capacity() > 2 * want {
+            *buffer = BytesMut::with_capacity(want);
+        }
+    }
+
+    /// Reads once into `buffer` (see the type's documentation); `Ok(0)` at the end of the stream.
+    pub(crate) fn poll_fill<R: AsyncRead + Unpin + ?Sized>(
+        &mut self,
+        reader: &mut R,
+        buffer: &mut BytesMut,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<usize>> {
+        let want = self.0 as usize;
+        if buffer.capacity() - buffer.len() < want / 2 {
+            buffer.reserve(want);
+        }
+        let offered = buffer.capacity() - buffer.len();
+        let read = ready!(pin!(reader.read_buf(buffer)).poll(cx))?;
+        if read == offered {
+            self.0 = (want * 2).min(MAX_READ) as u32;
+        } else if read < want / 4 {
+            self.0 = (want / 2).max(READ_BUFFER) as u32;
+        }
+        Poll::Ready(Ok(read))
+    }
+
+    /// [`ReadSize::poll_fill`] as a future.
+    pub(crate) async fn fill<R: AsyncRead + Unpin + ?Sized>(
+        &mut self,
+        reader: &mut R,
+        buffer: &mut BytesMut,
+    ) -> io::Result<usize> {
+        std::future::poll_fn(|cx| self.poll_fill(reader, buffer, cx)).await
+    }
+}
+
+/// Writes all of `parts`, in as few (vectored) writes as the writer takes.
+pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    mut parts: &mut [io::IoSlice<'_>],
+) -> io::Result<()> {
+    io::IoSlice::advance_slices(&mut parts, 0);
+    while !parts.is_empty() {
+        let written = writer.write_vectored(parts).await?;
+        if written == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        io::IoSlice::advance_slices(&mut parts, written);
+    }
+    Ok(())
 }
 
 /// The text of `value` in base `RADIX` (10 for a `Content-Length`, 16 for a chunk size), without
@@ -210,6 +283,7 @@ pub(crate) fn poll_body<R: AsyncRead + Unpin>(
     framing: &mut Framing,
     reader: &mut R,
     buffer: &mut BytesMut,
+    size: &mut ReadSize,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<Option<Frame<Bytes>>>> {
     loop {
@@ -219,8 +293,8 @@ pub(crate) fn poll_body<R: AsyncRead + Unpin>(
             Step::End => return Poll::Ready(Ok(None)),
             Step::More => {}
         }
-        make_room(buffer);
-        if ready!(pin!(reader.read_buf(buffer)).poll(cx))? == 0 {
+        size.shrink(buffer);
+        if ready!(size.poll_fill(reader, buffer, cx))? == 0 {
             if framing.ends_at_eof() {
                 return Poll::Ready(Ok(None));
             }
@@ -590,6 +664,62 @@ impl StallTimer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn reads_grow_while_they_fill_and_an_idle_buffer_is_given_back() {
+        // A large body arriving: each read fills what it was given, and the next asks for twice
+        // as much, up to MAX_READ.
+        let large = vec![b'x'; 512 * 1024];
+        let mut reader = &large[..];
+        let mut size = ReadSize::new();
+        let mut buffer = ReadSize::buffer();
+        let mut reads = Vec::new();
+        for _ in 0..9 {
+            let read = size.fill(&mut reader, &mut buffer).await.unwrap();
+            reads.push(read);
+            buffer.clear();
+        }
+        assert_eq!(reads[0], READ_BUFFER);
+        assert!(reads.windows(2).all(|pair| pair[1] >= pair[0]), "{reads:?}");
+        assert_eq!(*reads.last().unwrap(), MAX_READ, "{reads:?}");
+        // Small events: the size halves back to the least.
+        let small = [b'y'; 100];
+        for _ in 0..8 {
+            let mut reader = &small[..];
+            assert_eq!(size.fill(&mut reader, &mut buffer).await.unwrap(), 100);
+            buffer.clear();
+        }
+        assert_eq!(size.0 as usize, READ_BUFFER);
+        // Empty and much larger than reads need: given back for a small one.
+        assert!(buffer.capacity() > 2 * READ_BUFFER);
+        size.shrink(&mut buffer);
+        assert_eq!(buffer.capacity(), READ_BUFFER);
+        // Never while it holds bytes.
+        let mut holding = BytesMut::with_capacity(MAX_READ);
+        holding.extend_from_slice(b"pipelined");
+        size.shrink(&mut holding);
+        assert!(holding.capacity() >= MAX_READ);
+    }
+
+    #[tokio::test]
+    async fn vectored_writes_go_on_until_every_part_is_written() {
+        // A pipe of 7 bytes: every write is partial, some end inside a part.
+        let (mut near, mut far) = tokio::io::duplex(7);
+        let reading = tokio::spawn(async move {
+            let mut all = Vec::new();
+            far.read_to_end(&mut all).await.unwrap();
+            all
+        });
+        let mut parts = [
+            io::IoSlice::new(b"5\r\n"),
+            io::IoSlice::new(b""),
+            io::IoSlice::new(b"hello"),
+            io::IoSlice::new(b"\r\n0\r\n\r\n"),
+        ];
+        write_all_vectored(&mut near, &mut parts).await.unwrap();
+        drop(near);
+        assert_eq!(reading.await.unwrap(), b"5\r\nhello\r\n0\r\n\r\n");
+    }
 
     fn decode_all(input: &[u8], split: usize) -> io::Result<(Vec<u8>, Option<HeaderMap>, bool)> {
         let mut state = Chunked::Size;

@@ -41,16 +41,16 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
+use tokio::io::AsyncWriteExt;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use super::client::Passthrough;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
-    BodyFailure, Chunked, Framing, Hop, MAX_HEADERS, READ_BUFFER, Span, StallTimer, append_chunk,
-    append_field, append_last_chunk, apply_connection, digits, field_spans, hop_by_hop, is_chunked,
-    make_room, parse_content_length, poll_body,
+    BodyFailure, COALESCE, Chunked, Framing, Hop, MAX_HEADERS, ReadSize, Span, StallTimer,
+    append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection, digits,
+    field_spans, hop_by_hop, is_chunked, parse_content_length, poll_body, write_all_vectored,
 };
 
 /// Request bodies of known length up to this many bytes are read with their head.
@@ -75,6 +75,7 @@ pub struct Limits {
 struct Inbound {
     half: ReadSide,
     buffer: BytesMut,
+    read_size: ReadSize,
 }
 
 impl std::fmt::Debug for Inbound {
@@ -88,8 +89,7 @@ impl std::fmt::Debug for Inbound {
 impl Inbound {
     /// Reads more; `Ok(0)` at the end of the connection.
     async fn fill(&mut self) -> io::Result<usize> {
-        make_room(&mut self.buffer);
-        self.half.read_buf(&mut self.buffer).await
+        self.read_size.fill(&mut self.half, &mut self.buffer).await
     }
 }
 
@@ -291,7 +291,8 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
 ) {
     let mut inbound = Some(Inbound {
         half: reader,
-        buffer: BytesMut::with_capacity(READ_BUFFER),
+        buffer: ReadSize::buffer(),
+        read_size: ReadSize::new(),
     });
     let mut slot: Option<Arc<Slot>> = None;
     let mut out: Vec<u8> = Vec::with_capacity(1024);
@@ -425,8 +426,8 @@ where
 /// Waits until the client sends something (`false`: it is kept in the buffer) or closes the
 /// connection (`true`). A read that waits registers on the connection's own read waker.
 async fn client_gone(input: &mut Inbound) -> bool {
-    make_room(&mut input.buffer);
-    !matches!(input.half.read_buf(&mut input.buffer).await, Ok(read) if read > 0)
+    input.read_size.shrink(&mut input.buffer);
+    !matches!(input.fill().await, Ok(read) if read > 0)
 }
 
 /// Reads a body of `length` bytes that follows the head, each read within `timeout`.
@@ -528,6 +529,10 @@ async fn read_head(
         if !started {
             timer.start();
             started = true;
+            // Between requests the connection keeps a small buffer, whatever the last one
+            // grew it to.
+            input.read_size = ReadSize::new();
+            input.read_size.shrink(&mut input.buffer);
         }
         tokio::select! {
             biased;
@@ -904,6 +909,36 @@ async fn write_response<B: Answer>(
                     continue;
                 }
                 sent += data.len() as u64;
+                if data.len() > COALESCE {
+                    // Written from where it is, behind what waits in `out` (the head, a chunk
+                    // size line), with the chunk's end, and the last chunk when it is the last.
+                    let chunked = framing == Outgoing::Chunked;
+                    let end = body.is_end_stream();
+                    if chunked {
+                        append_chunk_size(out, data.len());
+                    }
+                    let tail: &[u8] = match (chunked, end) {
+                        (true, true) => b"\r\n0\r\n\r\n",
+                        (true, false) => b"\r\n",
+                        (false, _) => b"",
+                    };
+                    let mut parts = [
+                        io::IoSlice::new(out),
+                        io::IoSlice::new(&data),
+                        io::IoSlice::new(tail),
+                    ];
+                    write_all_vectored(writer, &mut parts).await?;
+                    out.clear();
+                    if end {
+                        drop(body);
+                        let complete = match framing {
+                            Outgoing::Length(length) => sent == length,
+                            _ => true,
+                        };
+                        return Ok(!close && complete && framing != Outgoing::Close);
+                    }
+                    continue;
+                }
                 if framing == Outgoing::Chunked {
                     append_chunk(out, &data);
                 } else {
@@ -1043,7 +1078,12 @@ impl Body for RequestStream {
         let Some(input) = this.inbound.as_mut() else {
             return Poll::Ready(None);
         };
-        let polled = poll_body(&mut this.framing, &mut input.half, &mut input.buffer, cx);
+        let Inbound {
+            half,
+            buffer,
+            read_size,
+        } = input;
+        let polled = poll_body(&mut this.framing, half, buffer, read_size, cx);
         let Poll::Ready(polled) = polled else {
             if this.stall.stalled(cx) {
                 let error = io::Error::new(io::ErrorKind::TimedOut, "request body timed out");
@@ -1075,6 +1115,7 @@ impl Body for RequestStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     fn test_limits() -> Limits {
         Limits {
@@ -1339,6 +1380,98 @@ mod tests {
         assert_eq!(bodies[1], "/b");
         assert!(bodies[2].starts_with("/cabc"), "{answer}");
         assert!(answer.contains("connection: close"), "{answer}");
+    }
+
+    /// Answers with the frames it was made with, of no known length (chunked).
+    #[derive(Clone)]
+    struct Frames(Vec<Bytes>);
+
+    struct FramesBody(std::collections::VecDeque<Bytes>);
+
+    impl Body for FramesBody {
+        type Data = Bytes;
+        type Error = io::Error;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+            Poll::Ready(
+                self.get_mut()
+                    .0
+                    .pop_front()
+                    .map(|data| Ok(Frame::data(data))),
+            )
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.0.is_empty()
+        }
+    }
+
+    impl super::Answer for FramesBody {}
+
+    impl Handler for Frames {
+        type Body = FramesBody;
+
+        async fn call(
+            &self,
+            _request: Request<RequestBody>,
+            _fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            Response::new(FramesBody(self.0.iter().cloned().collect()))
+        }
+    }
+
+    #[tokio::test]
+    async fn large_frames_are_written_from_where_they_are_with_their_framing() {
+        let large: Bytes = (0..3000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        // A large body of known length (echoed), then large and small chunks.
+        let (_drain, draining) = watch::channel(false);
+        let (mut client, served) = scripted(test_limits(), draining, Echo);
+        let request = [
+            &b"POST /e HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 3000\r\n\r\n"[..],
+            &large,
+        ]
+        .concat();
+        let script = async {
+            client.write_all(&request).await.unwrap();
+            read_all(&mut client).await
+        };
+        let ((), answer) = tokio::join!(served, script);
+        assert!(answer.contains("content-length: 3002\r\n"), "{answer}");
+        assert!(answer.ends_with(&format!("\r\n\r\n/e{}", String::from_utf8_lossy(&large))));
+
+        for frames in [
+            vec![large.clone()],
+            vec![large.clone(), Bytes::from_static(b"tail")],
+            vec![Bytes::from_static(b"head"), large.clone(), large.clone()],
+        ] {
+            let (_drain, draining) = watch::channel(false);
+            let (mut client, served) = scripted(test_limits(), draining, Frames(frames.clone()));
+            let script = async {
+                client
+                    .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .await
+                    .unwrap();
+                read_all(&mut client).await
+            };
+            let ((), answer) = tokio::join!(served, script);
+            let mut chunked = String::new();
+            for frame in &frames {
+                chunked.push_str(&format!(
+                    "{:x}\r\n{}\r\n",
+                    frame.len(),
+                    String::from_utf8_lossy(frame)
+                ));
+            }
+            chunked.push_str("0\r\n\r\n");
+            assert!(
+                answer.contains("transfer-encoding: chunked\r\n"),
+                "{answer}"
+            );
+            assert!(answer.ends_with(&format!("\r\n\r\n{chunked}")), "{answer}");
+        }
     }
 
     #[tokio::test]

@@ -503,15 +503,18 @@ pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
         let mut port_sender = Some(port_sender);
         for line in BufReader::new(stderr).lines() {
             let Ok(line) = line else { break };
-            if let Ok(entry) = serde_json::from_str::<Value>(&line) {
-                if let Some(listen) = entry["listen"].as_str() {
-                    let port: u16 = listen.rsplit(':').next().unwrap().parse().unwrap();
-                    if let Some(sender) = port_sender.take() {
-                        let _ = sender.send(port);
-                    }
+            let port = serde_json::from_str::<Value>(&line).ok().and_then(|entry| {
+                let listen = entry["listen"].as_str()?;
+                listen.rsplit(':').next()?.parse::<u16>().ok()
+            });
+            // The line is in the log before the port is reported, so a test that got the port
+            // finds the line.
+            lines.lock().unwrap().push(line);
+            if let Some(port) = port {
+                if let Some(sender) = port_sender.take() {
+                    let _ = sender.send(port);
                 }
             }
-            lines.lock().unwrap().push(line);
         }
     });
     let port = port_receiver

@@ -71,7 +71,7 @@ fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
             .params
             .insert((*key).into(), figment::value::Value::from(*value));
     }
-    config.queue_max_size = QUEUED + 2000;
+    config.queue.max_size = QUEUED + 2000;
     let balancer = Settings::from_config(config).unwrap().balancer().unwrap();
     let addrs = (0..BACKENDS)
         .map(|i| {

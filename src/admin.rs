@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -37,17 +38,20 @@ pub fn is_admin_path(path: &str) -> bool {
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
-/// Optional protections of the admin API (both off by default: the platform sends no
-/// credentials).
-#[derive(Debug, Clone, Default)]
-pub struct AdminPolicy {
-    /// Bearer token that set-backends requires.
+/// The `[admin]` section: optional protections of the admin API (both off by default: the
+/// platform sends no credentials).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Bearer token that set-backends requires (printed redacted).
+    #[serde(with = "crate::forms::secret")]
     pub token: Option<String>,
     /// Networks every backend address must be in; empty allows any address.
-    pub allowed_networks: Vec<Cidr>,
+    #[serde(with = "crate::forms::list")]
+    pub backend_allow_cidrs: Vec<Cidr>,
 }
 
-impl AdminPolicy {
+impl AdminConfig {
     /// Whether the request carries the configured bearer token (or none is configured).
     fn authorizes(&self, request: &Request<ClientBody>) -> bool {
         let Some(token) = &self.token else {
@@ -67,7 +71,7 @@ impl AdminPolicy {
 
     /// Checks every address against the allow-list; the error names the entry.
     fn check_networks(&self, addrs: &[BackendAddr]) -> Result<(), String> {
-        if self.allowed_networks.is_empty() {
+        if self.backend_allow_cidrs.is_empty() {
             return Ok(());
         }
         for (index, addr) in addrs.iter().enumerate() {
@@ -82,7 +86,7 @@ impl AdminPolicy {
                 ));
             };
             if !self
-                .allowed_networks
+                .backend_allow_cidrs
                 .iter()
                 .any(|network| network.contains(ip))
             {
@@ -106,7 +110,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// Answers one admin request.
 pub async fn handle(
     balancer: &Arc<Balancer>,
-    policy: &AdminPolicy,
+    policy: &AdminConfig,
     request: Request<ClientBody>,
 ) -> Response<ResponseBody> {
     let allowed = match request.uri().path() {
@@ -142,7 +146,7 @@ pub async fn handle(
 
 async fn set_backends(
     balancer: &Arc<Balancer>,
-    policy: &AdminPolicy,
+    policy: &AdminConfig,
     request: Request<ClientBody>,
 ) -> Response<ResponseBody> {
     if !policy.authorizes(&request) {

@@ -15,6 +15,8 @@
 
 mod availability;
 
+pub use availability::AvailabilityConfig;
+
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -23,15 +25,15 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-
 use http::StatusCode;
+use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::strategy::{Candidates, Outcome, RequestInfo, Strategy};
+use crate::strategy::{Candidates, LatencyConfig, Outcome, RequestInfo, Strategy};
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,13 +42,13 @@ pub enum Rejection {
     NoBackend,
     /// The queue was full and this was the oldest waiting request.
     Evicted,
-    /// The request waited `queue_timeout` in the queue.
+    /// The request waited `queue.timeout` in the queue.
     Timeout,
     /// The router is going away.
     ShuttingDown,
     /// Every backend that could take the request answered that it is busy.
     Busy,
-    /// The queue already held `queue_shed_ratio` times the requests in flight; the value is the
+    /// The queue already held `queue.shed_ratio` times the requests in flight; the value is the
     /// expected time for the queue to drain, in whole seconds (at least 1).
     Overloaded(u32),
 }
@@ -101,42 +103,52 @@ impl Queue {
     }
 }
 
-/// What the balancer is held to: queue, outcome recording and availability settings, each as
-/// the configuration gives it (replaced whole by a reload).
-#[derive(Debug, Clone)]
-pub struct Tuning {
-    /// Requests the queue holds; when full the oldest is evicted.
-    pub queue_max_size: usize,
+/// The `[queue]` section: the admission queue requests wait in when no backend can take them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// Requests the queue holds; when full the oldest is evicted. Also caps each backend's
+    /// completed count ([`QueueConfig::completed_cap`]).
+    pub max_size: usize,
     /// How long a request may wait in the queue.
-    pub queue_timeout: Duration,
-    /// Load shedding: the queue ahead in multiples of the requests in flight (0: off).
-    pub queue_shed_ratio: f64,
-    /// EWMA smoothing factor.
-    pub ewma_alpha: f64,
-    /// Seconds a failure counts at least (and holds its backend).
-    pub latency_threshold: f64,
-    /// The cap of each backend's completed count.
-    pub completed_cap: u64,
-    /// Failures in a row that eject a backend.
-    pub consecutive_failures: u32,
-    /// The first ejection's length.
-    pub ejection_time: Duration,
-    /// The longest ejection.
-    pub max_ejection_time: Duration,
-    /// Largest share of backends ejected at once, in percent.
-    pub max_ejection_percent: f64,
-    /// Path probed before an ejected backend is readmitted.
-    pub health_check_path: Option<String>,
-    /// How long a readmission probe may take.
-    pub health_check_timeout: Duration,
-    /// The longest pause of a busy backend.
-    pub max_busy_pause: Duration,
-    /// The slow-start ramp of new and readmitted backends.
-    pub slow_start: Option<Duration>,
+    #[serde(with = "crate::forms::seconds")]
+    pub timeout: Duration,
+    /// Load shedding: a new request is answered 503 at once while the queue holds this many
+    /// times the requests in flight (0: never).
+    pub shed_ratio: f64,
 }
 
-/// Sends readmission probes (`GET health_check_path`): the balancer decides when, the upstream
-/// side how ([`crate::health`]).
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            max_size: 1000,
+            timeout: Duration::from_secs(1200),
+            shed_ratio: 15.0,
+        }
+    }
+}
+
+impl QueueConfig {
+    /// The cap of each backend's completed count: `2 × max_size / 5`, at least 1.
+    pub fn completed_cap(&self) -> u64 {
+        (2 * self.max_size / 5).max(1) as u64
+    }
+}
+
+/// What the balancer is held to: the configuration's `[queue]`, `[latency]` and `[availability]`
+/// sections as they are (replaced whole by a reload).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Tuning {
+    /// The admission queue.
+    pub queue: QueueConfig,
+    /// Latency samples and what a failure counts.
+    pub latency: LatencyConfig,
+    /// Ejection, busy pauses, readmission probes, slow start.
+    pub availability: AvailabilityConfig,
+}
+
+/// Sends readmission probes (`GET availability.health_check_path`): the balancer decides when, the
+/// upstream side how ([`crate::health`]).
 pub trait Probe: Send + Sync + 'static {
     /// Whether `backend` answers `GET path` with a 2xx (the balancer bounds the wait).
     fn probe<'a>(
@@ -384,7 +396,7 @@ impl Balancer {
             settled: false,
         };
         waiting
-            .wait(enqueued_at + self.tuning.load().queue_timeout)
+            .wait(enqueued_at + self.tuning.load().queue.timeout)
             .await
     }
 
@@ -424,7 +436,7 @@ impl Balancer {
     }
 
     /// Load shedding: `Some(seconds to drain the queue)` when a new request should be refused
-    /// because the queue already holds `queue_shed_ratio` times the requests in flight.
+    /// because the queue already holds `queue.shed_ratio` times the requests in flight.
     ///
     /// By Little's law the backends finish about `in_flight / latency` requests per second, so a
     /// request joining a queue of `q` waits about `q / in_flight` request latencies: the ratio
@@ -432,7 +444,7 @@ impl Balancer {
     /// no latency yet (its capacity is unknown, e.g. it was just added) or nothing is in flight
     /// (the queue waits for backends, not for capacity).
     fn overloaded_locked(&self, queue: &Queue) -> Option<u32> {
-        let ratio = self.tuning.load().queue_shed_ratio;
+        let ratio = self.tuning.load().queue.shed_ratio;
         let queued = queue.waiters.len();
         // Cheap test first: the backends' in-flight counts add up to at most the leases held.
         if ratio <= 0.0
@@ -464,7 +476,7 @@ impl Balancer {
         excluded: Vec<Arc<Backend>>,
         enqueued_at: Instant,
     ) -> (u64, oneshot::Receiver<Result<Lease, Rejection>>) {
-        if queue.waiters.len() >= self.tuning.load().queue_max_size {
+        if queue.waiters.len() >= self.tuning.load().queue.max_size {
             if let Some(oldest) = queue.waiters.pop_front() {
                 self.metrics.evicted.add(1, &[]);
                 let _ = oldest.reply.send(Err(Rejection::Evicted));
@@ -542,12 +554,12 @@ impl Balancer {
         let tuning = self.tuning.load();
         // A failure must never look fast: it counts at least as the latency threshold.
         let sample = if failed {
-            measured.max(tuning.latency_threshold)
+            measured.max(tuning.latency.threshold.as_secs_f64())
         } else {
             measured
         };
-        backend.record_latency(sample, tuning.ewma_alpha);
-        backend.record_completed(tuning.completed_cap);
+        backend.record_latency(sample, tuning.latency.ewma_alpha);
+        backend.record_completed(tuning.queue.completed_cap());
         drop(tuning);
         if let Some(status) = finish.status {
             backend.record_status(status);
@@ -713,7 +725,7 @@ impl Lease {
 
     /// Records how the request ended, then releases the backend.
     ///
-    /// A failed attempt keeps the backend occupied until `latency_threshold` has passed since
+    /// A failed attempt keeps the backend occupied until `latency.threshold` has passed since
     /// dispatch, as if it had taken that long: a replica that fails fast must not look free.
     pub fn finish(self, finish: Finish) {
         self.finish_at(finish, Instant::now());
@@ -734,7 +746,7 @@ impl Lease {
             self.streamed,
         );
         if failed {
-            let threshold = Duration::from_secs_f64(self.balancer.tuning.load().latency_threshold);
+            let threshold = self.balancer.tuning.load().latency.threshold;
             let penalty = threshold.saturating_sub(latency);
             if let (false, Ok(runtime)) = (penalty.is_zero(), tokio::runtime::Handle::try_current())
             {

@@ -1,5 +1,5 @@
-//! Readmission probes over the upstream client: `GET health_check_path` to an ejected backend;
-//! the balancer decides when ([`crate::balancer::Probe`]) and bounds the wait.
+//! Readmission probes over the upstream client: `GET availability.health_check_path` to an ejected
+//! backend; the balancer decides when ([`crate::balancer::Probe`]) and bounds the wait.
 
 use std::future::Future;
 use std::pin::Pin;

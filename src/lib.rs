@@ -14,6 +14,7 @@ pub mod cidr;
 pub mod classify;
 pub mod config;
 pub mod discovery;
+pub mod forms;
 pub mod forwarding;
 pub mod h1;
 pub mod health;

@@ -36,7 +36,7 @@ pub mod names {
     /// Counter `custom_router_requests_rejected_total`: answered 503 at once (no backend to use).
     pub const REQUESTS_REJECTED: &str = "custom_router_requests_rejected";
     /// Counter `custom_router_requests_shed_total`: answered 503 at once because the queue
-    /// ahead was too long (`queue_shed_ratio`).
+    /// ahead was too long (`queue.shed_ratio`).
     pub const REQUESTS_SHED: &str = "custom_router_requests_shed";
     /// Counter `custom_router_backend_responses_total{addr,class}`: responses by status class.
     pub const BACKEND_RESPONSES: &str = "custom_router_backend_responses";

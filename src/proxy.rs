@@ -3,9 +3,9 @@
 //! The request keeps its method, path and query; hop-by-hop headers (RFC 9110 §7.6.1, plus those
 //! named in `Connection`) are removed both ways; `X-Forwarded-For` gets the client address
 //! appended and `X-Forwarded-Proto` is set to `http`. The client's `Host` is kept (for HTTP/2
-//! clients, the `:authority`). A request body of at most `retry_body_limit` bytes is read into
-//! memory first (within a global budget, `max_buffered_bytes`) so it can be sent again; a larger
-//! one is streamed once. Responses are always streamed. Requests go out as HTTP/1.1 over
+//! clients, the `:authority`). A request body of at most `retry.body_limit` bytes is read into
+//! memory first (within a global budget, `retry.max_buffered_bytes`) so it can be sent again; a
+//! larger one is streamed once. Responses are always streamed. Requests go out as HTTP/1.1 over
 //! keep-alive connections ([`crate::pool`] for `http://` backends).
 
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use std::time::Duration;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::Either;
+use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use crate::access_log::{self, AccessLog};
@@ -27,31 +28,51 @@ use crate::metrics::RetryReason;
 use crate::observed::{Observation, ObservedBody, ResponseBody};
 use crate::pool::Failure;
 use crate::response;
-use crate::retry_budget::RetryBudget;
+use crate::retry_budget::{BudgetConfig, RetryBudget};
 use crate::strategy::{RequestInfo, RequestView};
 use crate::traces::{Decision, Traces};
 use crate::upstream::UpstreamClient;
 
-/// How requests are proxied: what retries may do, and what the response says of the decision.
-#[derive(Debug, Clone)]
-pub struct ProxyPolicy {
+/// The `[retry]` section: how often a request may be sent, and what is kept to send it again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
     /// Attempts per request, the first included.
     pub max_attempts: u32,
     /// Bytes of body kept in memory so the request can be sent again.
     pub body_limit: usize,
-    /// KiB of request bodies all requests together may keep in memory.
+    /// Bytes of request bodies all requests together may keep in memory.
+    pub max_buffered_bytes: usize,
+    /// The retry budget (`[retry.budget]`), shared by all requests: see [`RetryBudget`].
+    pub budget: BudgetConfig,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            body_limit: 1024 * 1024,
+            max_buffered_bytes: 32 * 1024 * 1024,
+            budget: BudgetConfig::default(),
+        }
+    }
+}
+
+/// How requests are proxied: what retries may do, and what the response says of the decision.
+#[derive(Debug, Clone)]
+pub struct ProxyPolicy {
+    /// The `[retry]` section.
+    pub retry: RetryConfig,
+    /// KiB of request bodies all requests together may keep in memory
+    /// (`retry.max_buffered_bytes`).
     pub buffer_budget: Arc<Semaphore>,
-    /// How long a backend may take to send response headers.
-    pub first_byte_timeout: Option<Duration>,
-    /// How long a backend may leave a response body without sending a byte.
-    pub upstream_idle_timeout: Option<Duration>,
     /// Whether responses carry `x-custom-router-backend` and `x-custom-router-queue-ms`.
     pub decision_headers: bool,
     /// Where finished requests are logged, when the access log is on.
     pub access_log: Option<AccessLog>,
     /// The tracer, when traces are on.
     pub traces: Option<Traces>,
-    /// How attempts reach backends.
+    /// How attempts reach backends, and their timeouts ([`UpstreamClient::config`]).
     pub client: Arc<UpstreamClient>,
     /// Failure retries allowed (shared by all requests, kept across reloads).
     pub retry_budget: Arc<RetryBudget>,
@@ -83,7 +104,8 @@ pub fn retry_after_value(value: &[u8]) -> Option<Duration> {
         .parse::<f64>()
         .ok()
         .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok());
-    // Longer pauses are capped by `max_busy_pause` later; a day keeps the arithmetic safe.
+    // Longer pauses are capped by `availability.max_busy_pause` later; a day keeps the arithmetic
+    // safe.
     Some(seconds.map_or(Duration::from_secs(1), |d| {
         d.min(Duration::from_secs(86_400))
     }))
@@ -100,12 +122,11 @@ async fn attempt(
     body: UpstreamBody,
     last: bool,
     lease: Lease,
-    first_byte_timeout: Option<Duration>,
-    idle_timeout: Option<Duration>,
 ) -> Attempt {
     let may_retry_busy = !last;
+    let idle_timeout = client.config().idle_timeout;
     let sent = client.send(lease.backend(), head, body, last);
-    let answer = match first_byte_timeout {
+    let answer = match client.config().first_byte_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
             Ok(answer) => answer,
             Err(_) => Err(Failure::Backend(ErrorKind::FirstByteTimeout)),
@@ -220,7 +241,7 @@ fn is_idempotent(method: &Method) -> bool {
 /// A connect failure (the backend saw nothing) or a busy answer (429, or 503 with
 /// `Retry-After`) is retried on another backend for any method; any other failure only for
 /// idempotent methods. Only bodies kept in memory (at most `body_limit`) are sent again, never
-/// more than `max_attempts` in all, and failure retries draw on the shared retry budget.
+/// more than `retry.max_attempts` in all, and failure retries draw on the shared retry budget.
 pub async fn proxy(
     balancer: &Arc<Balancer>,
     policy: Arc<ProxyPolicy>,
@@ -236,7 +257,7 @@ pub async fn proxy(
         return logged(seen, response::connect_not_allowed(), "connect_not_allowed");
     }
     let (mut parts, body) = request.into_parts();
-    let body = match RequestBody::read(body, policy.body_limit, &policy.buffer_budget).await {
+    let body = match RequestBody::read(body, policy.retry.body_limit, &policy.buffer_budget).await {
         Ok(body) => body,
         Err(error) => {
             let failure = BodyFailure::of(&*error);
@@ -279,7 +300,7 @@ pub async fn proxy(
             );
         }
     }
-    let retriable = body.is_replayable() && policy.max_attempts > 1;
+    let retriable = body.is_replayable() && policy.retry.max_attempts > 1;
     let idempotent = is_idempotent(&head.method);
     policy.retry_budget.deposit();
     // Read the clock only for what needs it.
@@ -287,7 +308,7 @@ pub async fn proxy(
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last_failure: Option<(ErrorKind, Arc<Backend>)> = None;
     let mut retry_reason: Option<RetryReason> = None;
-    for number in 1..=policy.max_attempts {
+    for number in 1..=policy.retry.max_attempts {
         if let Some(span) = seen.span.as_mut() {
             span.queue_started();
         }
@@ -345,22 +366,13 @@ pub async fn proxy(
         let backend = Arc::clone(lease.backend());
         let queued =
             arrived.map(|arrived| lease.dispatched_at().saturating_duration_since(arrived));
-        let last = !retriable || number == policy.max_attempts;
+        let last = !retriable || number == policy.retry.max_attempts;
         let Some(upstream_body) = body.for_attempt() else {
             let answer = response::error(StatusCode::BAD_GATEWAY, "request body already sent");
             return logged(seen, answer, "body_already_sent");
         };
         tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %backend.addr(), attempt = number, "proxying request");
-        let outcome = attempt(
-            &policy.client,
-            &mut head,
-            upstream_body,
-            last,
-            lease,
-            policy.first_byte_timeout,
-            policy.upstream_idle_timeout,
-        )
-        .await;
+        let outcome = attempt(&policy.client, &mut head, upstream_body, last, lease).await;
         if let Some(span) = attempt_span {
             let span = *span;
             match &outcome {

@@ -7,6 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 const SLOTS: u64 = 10;
@@ -18,23 +19,41 @@ struct Slot {
     retries: AtomicU64,
 }
 
+/// The `[retry.budget]` section: how many failure retries the budget allows.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetConfig {
+    /// Retries allowed as a percentage of the requests of the window.
+    pub percent: f64,
+    /// Retries per second always allowed, whatever the traffic.
+    pub min_per_second: f64,
+}
+
+impl Default for BudgetConfig {
+    fn default() -> Self {
+        Self {
+            percent: 20.0,
+            min_per_second: 10.0,
+        }
+    }
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct RetryBudget {
     slots: [Slot; SLOTS as usize],
     started: Instant,
-    percent: f64,
-    min_per_second: f64,
+    config: BudgetConfig,
 }
 
 impl RetryBudget {
-    /// A budget allowing `percent` % of requests as retries plus `min_per_second` retries/s.
-    pub fn new(percent: f64, min_per_second: f64) -> Self {
+    /// A budget allowing `config.percent` % of requests as retries plus `config.min_per_second`
+    /// retries/s.
+    pub fn new(config: BudgetConfig) -> Self {
         Self {
             slots: Default::default(),
             started: Instant::now(),
-            percent,
-            min_per_second,
+            config,
         }
     }
 
@@ -67,7 +86,8 @@ impl RetryBudget {
                 retries += window_slot.retries.load(Ordering::Relaxed);
             }
         }
-        let allowed = self.min_per_second * SLOTS as f64 + self.percent / 100.0 * requests as f64;
+        let allowed = self.config.min_per_second * SLOTS as f64
+            + self.config.percent / 100.0 * requests as f64;
         if (retries as f64) < allowed.floor() {
             slot.retries.fetch_add(1, Ordering::Relaxed);
             true
@@ -93,7 +113,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn retries_are_bounded_by_the_share_of_requests_and_the_floor() {
         // 20 % of requests, 1 retry per second floor: 10 retries over the 10 s window.
-        let budget = RetryBudget::new(20.0, 1.0);
+        let budget = RetryBudget::new(BudgetConfig {
+            percent: 20.0,
+            min_per_second: 1.0,
+        });
         assert_eq!(drain(&budget), 10);
         // 100 requests earn 20 more.
         for _ in 0..100 {
@@ -107,7 +130,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_zero_budget_allows_nothing() {
-        let budget = RetryBudget::new(0.0, 0.0);
+        let budget = RetryBudget::new(BudgetConfig {
+            percent: 0.0,
+            min_per_second: 0.0,
+        });
         budget.deposit();
         assert!(!budget.try_withdraw());
     }

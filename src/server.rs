@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::access_log::AccessLog;
-use crate::admin::{self, AdminPolicy};
+use crate::admin::{self, AdminConfig};
 use crate::balancer::Balancer;
 use crate::body::ClientBody;
 use crate::config::Settings;
@@ -56,7 +56,7 @@ struct Shared {
     balancer: Arc<Balancer>,
     /// What proxying is held to; replaced by a reload.
     policy: ArcSwap<ProxyPolicy>,
-    admin: ArcSwap<AdminPolicy>,
+    admin: ArcSwap<AdminConfig>,
     /// What new HTTP/1 connections are held to; replaced by a reload.
     limits: ArcSwap<h1::server::Limits>,
     /// The tracer (made once at start, from the `OTEL_*` environment).
@@ -75,33 +75,15 @@ fn policy_of(
 ) -> ProxyPolicy {
     let config = &settings.config;
     ProxyPolicy {
+        retry: config.retry.clone(),
+        buffer_budget: Arc::new(Semaphore::new(
+            config.retry.max_buffered_bytes.div_ceil(1024),
+        )),
         client,
         retry_budget: Arc::clone(retry_budget),
         traces: traces.cloned(),
-        max_attempts: config.max_attempts,
-        body_limit: config.retry_body_limit,
-        buffer_budget: Arc::new(Semaphore::new(config.max_buffered_bytes.div_ceil(1024))),
-        first_byte_timeout: Settings::optional(config.first_byte_timeout),
-        upstream_idle_timeout: Settings::optional(config.upstream_idle_timeout),
         access_log: config.access_log.then(AccessLog::to_stdout),
         decision_headers: config.decision_headers,
-    }
-}
-
-fn admin_of(settings: &Settings) -> AdminPolicy {
-    AdminPolicy {
-        token: settings.config.admin_token.clone(),
-        allowed_networks: settings.backend_allow_cidrs(),
-    }
-}
-
-fn limits_of(settings: &Settings) -> h1::server::Limits {
-    let config = &settings.config;
-    h1::server::Limits {
-        header_read_timeout: Duration::from_secs_f64(config.header_read_timeout),
-        max_header_bytes: config.max_header_bytes,
-        body_read_timeout: Duration::from_secs_f64(config.body_read_timeout),
-        allow_underscore_headers: config.allow_underscore_headers,
     }
 }
 
@@ -117,7 +99,8 @@ impl std::fmt::Debug for Reloader {
     }
 }
 
-/// Keys read only at start: a reload that changes them logs that they need a restart.
+/// Keys read only at start (dotted, a section standing for all its keys): a reload that changes
+/// them logs that they need a restart.
 const RESTART_KEYS: [&str; 10] = [
     "host",
     "port",
@@ -126,10 +109,16 @@ const RESTART_KEYS: [&str; 10] = [
     "max_connections",
     "worker_threads",
     "log_format",
-    "tls_ca_file",
-    "retry_budget_percent",
-    "retry_budget_min_per_second",
+    "state_log_interval",
+    "shutdown",
+    "retry.budget",
 ];
+
+/// The value at a dotted `key` of a configuration as JSON (`None` if there is none).
+fn value_at<'a>(config: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    key.split('.')
+        .try_fold(config, |value, part| value.get(part))
+}
 
 impl Reloader {
     /// Applies `settings` to new requests and connections: the strategy and its parameters, the
@@ -145,7 +134,7 @@ impl Reloader {
         let new = serde_json::to_value(&settings.config).unwrap_or_default();
         let needs_restart: Vec<&'static str> = RESTART_KEYS
             .into_iter()
-            .filter(|key| old.get(key) != new.get(key))
+            .filter(|key| value_at(&old, key) != value_at(&new, key))
             .collect();
         let strategy_changed = running.config.strategy != settings.config.strategy;
         let strategy = strategy_changed.then(|| Arc::clone(&settings.strategy));
@@ -161,8 +150,10 @@ impl Reloader {
             &self.shared.retry_budget,
         );
         self.shared.policy.store(Arc::new(policy));
-        self.shared.admin.store(Arc::new(admin_of(&settings)));
-        self.shared.limits.store(Arc::new(limits_of(&settings)));
+        self.shared
+            .admin
+            .store(Arc::new(settings.config.admin.clone()));
+        self.shared.limits.store(Arc::new(settings.config.limits));
         *running = settings;
         needs_restart
     }
@@ -234,8 +225,8 @@ impl Router {
                 client,
                 retry_budget,
                 traces,
-                admin: ArcSwap::from_pointee(admin_of(&settings)),
-                limits: ArcSwap::from_pointee(limits_of(&settings)),
+                admin: ArcSwap::from_pointee(settings.config.admin.clone()),
+                limits: ArcSwap::from_pointee(settings.config.limits),
             }),
             listener,
             settings,
@@ -263,8 +254,8 @@ impl Router {
     }
 
     /// Serves until `shutdown` resolves, then drains: health answers 503 at once, the listener
-    /// stays open for `pre_drain_delay` and then closes, and in-flight requests (queued ones
-    /// included) may finish for up to `shutdown_timeout`.
+    /// stays open for `shutdown.pre_drain_delay` and then closes, and in-flight requests (queued
+    /// ones included) may finish for up to `shutdown.timeout`.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
         let Router {
             shared,
@@ -277,7 +268,9 @@ impl Router {
         builder
             .http2()
             .timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
+            .max_header_list_size(
+                u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
+            );
         let (open, mut all_closed) = mpsc::channel::<()>(1);
         let acceptor = Acceptor {
             listener,
@@ -290,7 +283,7 @@ impl Router {
         };
         let state_log = tokio::spawn(log_state_periodically(
             Arc::clone(&shared.balancer),
-            settings.state_log_interval(),
+            config.state_log_interval,
         ));
         let reaper = tokio::spawn(reap_idle_connections(Arc::clone(&shared.balancer)));
         let discovery = settings.discovery();
@@ -302,12 +295,15 @@ impl Router {
             discovery.abort();
         }
         shared.balancer.start_draining();
+        let shutdown = config.shutdown;
         tracing::info!(
-            pre_drain_delay_s = config.pre_drain_delay,
+            pre_drain_delay_s = shutdown.pre_drain_delay.as_secs_f64(),
             "draining: health answers 503"
         );
-        if let Some(delay) = Settings::optional(config.pre_drain_delay) {
-            acceptor.accept_until(tokio::time::sleep(delay)).await;
+        if !shutdown.pre_drain_delay.is_zero() {
+            acceptor
+                .accept_until(tokio::time::sleep(shutdown.pre_drain_delay))
+                .await;
         }
         let Acceptor {
             listener,
@@ -318,7 +314,7 @@ impl Router {
         } = acceptor;
         drop(listener);
         tracing::info!(
-            timeout_s = config.shutdown_timeout,
+            timeout_s = shutdown.timeout.as_secs_f64(),
             "listener closed, waiting for in-flight requests"
         );
         // HTTP/1 connections close once their current response is written (at once when idle);
@@ -328,7 +324,7 @@ impl Router {
         let finished = async {
             tokio::join!(graceful.shutdown(), all_closed.recv());
         };
-        match tokio::time::timeout(settings.shutdown_timeout(), finished).await {
+        match tokio::time::timeout(shutdown.timeout, finished).await {
             Ok(()) => tracing::info!("all connections finished"),
             Err(_) => tracing::warn!("shutdown timeout reached with connections still open"),
         }

@@ -9,9 +9,11 @@ use std::cell::OnceCell;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use figment::value::Value;
 use http::Method;
+use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 
@@ -80,7 +82,7 @@ impl dyn HeaderLookup + '_ {
 }
 
 /// The request as it arrived, for [`Strategy::request_key`]: method, target, header fields and
-/// the first bytes of the body (the whole body when it is at most `retry_body_limit`, else what
+/// the first bytes of the body (the whole body when it is at most `retry.body_limit`, else what
 /// was read by then). Built by the core; no type of the HTTP layer shows through.
 pub struct RequestView<'a> {
     method: &'a Method,
@@ -288,22 +290,33 @@ impl<'a> From<&'a Vec<Arc<Backend>>> for Candidates<'a> {
     }
 }
 
-/// Core settings a strategy may read when it is built.
-#[derive(Debug, Clone, Copy)]
-pub struct StrategyContext {
-    /// Seconds; the configured latency threshold.
-    pub latency_threshold: f64,
-    /// The configured EWMA smoothing factor.
+/// The `[latency]` section: how latency is measured and judged, by the balancer (each backend's
+/// EWMA, what a failure counts) and by strategies (handed to them in [`StrategyContext`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LatencyConfig {
+    /// A busy backend whose EWMA latency is above this is not preferred; a failed attempt counts
+    /// as a sample of at least this and holds its backend that long after dispatch.
+    #[serde(with = "crate::forms::seconds")]
+    pub threshold: Duration,
+    /// EWMA smoothing factor in (0, 1]; higher reacts faster.
     pub ewma_alpha: f64,
 }
 
-impl Default for StrategyContext {
+impl Default for LatencyConfig {
     fn default() -> Self {
         Self {
-            latency_threshold: 3.0,
+            threshold: Duration::from_secs(3),
             ewma_alpha: 0.3,
         }
     }
+}
+
+/// Core settings a strategy may read when it is built.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StrategyContext {
+    /// The configured `[latency]` section.
+    pub latency: LatencyConfig,
 }
 
 /// How a finished request ended, as reported to [`Strategy::on_outcome`].

@@ -4,6 +4,7 @@
 //! request body failing).
 
 use std::error::Error as _;
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -14,11 +15,43 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
+use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::body::{BackendBody, BodyFailure, UpstreamBody};
 use crate::forwarding::RequestHead;
 use crate::pool::{self, Failure};
+
+/// The `[upstream]` section: how the router talks to backends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// How long opening a connection to a backend may take.
+    #[serde(with = "crate::forms::seconds")]
+    pub connect_timeout: Duration,
+    /// How long an attempt may take, from its start (connecting included) to the response head
+    /// (`None`: no limit).
+    #[serde(with = "crate::forms::seconds_or_off")]
+    pub first_byte_timeout: Option<Duration>,
+    /// How long a backend may leave a response body, or a request being written, without
+    /// progress (`None`: no limit).
+    #[serde(with = "crate::forms::seconds_or_off")]
+    pub idle_timeout: Option<Duration>,
+    /// PEM file of extra CA certificates trusted for `https://` backends (the system store is
+    /// always trusted); the configuration reads it and hands the certificates to [`client`].
+    pub tls_ca_file: Option<PathBuf>,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            first_byte_timeout: None,
+            idle_timeout: Some(Duration::from_secs(300)),
+            tls_ca_file: None,
+        }
+    }
+}
 
 /// How requests reach backends over HTTP/1.1: `http://` backends over their own keep-alive
 /// connections ([`crate::pool`]), `https://` ones over a pooled rustls client built on first use
@@ -26,9 +59,7 @@ use crate::pool::{self, Failure};
 /// deployments need not pay).
 pub struct UpstreamClient {
     https: OnceLock<Client<HttpsConnector<HttpConnector>, UpstreamBody>>,
-    connect_timeout: Duration,
-    /// How long a backend may take none of a request being written (`upstream_idle_timeout`).
-    stall_timeout: Option<Duration>,
+    config: UpstreamConfig,
     extra_ca_certs: Vec<CertificateDer<'static>>,
 }
 
@@ -41,6 +72,11 @@ impl std::fmt::Debug for UpstreamClient {
 }
 
 impl UpstreamClient {
+    /// What the client is held to (the proxy reads the first-byte and idle timeouts here too).
+    pub fn config(&self) -> &UpstreamConfig {
+        &self.config
+    }
+
     /// Sends the request `head` with `body` to `backend`. An `http://` backend gets it over a
     /// pooled connection ([`crate::pool`]), the head written from `head` as it is (so another
     /// attempt needs no copy of it); the response body then holds the connection, which goes back
@@ -64,8 +100,8 @@ impl UpstreamClient {
                     backend,
                     head.h1(addr),
                     body,
-                    self.connect_timeout,
-                    self.stall_timeout,
+                    self.config.connect_timeout,
+                    self.config.idle_timeout,
                 )
                 .map(|sent| sent.map(|response| response.map(BackendBody::Left))),
             )
@@ -84,7 +120,7 @@ impl UpstreamClient {
                 .with_tls_config(tls_config(&self.extra_ca_certs))
                 .https_or_http()
                 .enable_http1()
-                .wrap_connector(http_connector(self.connect_timeout));
+                .wrap_connector(http_connector(self.config.connect_timeout));
             pooled(connector)
         });
         let request = head.tls_request(addr, body, last);
@@ -113,17 +149,16 @@ where
         .build(connector)
 }
 
-/// Builds the upstream client: keep-alive connections, `TCP_NODELAY`, connect timeout; TLS for
-/// `https://` backends trusting the system store plus `extra_ca_certs`.
+/// Builds the upstream client held to `config`: keep-alive connections, `TCP_NODELAY`, connect
+/// timeout; TLS for `https://` backends trusting the system store plus `extra_ca_certs` (read from
+/// `config.tls_ca_file`).
 pub fn client(
-    connect_timeout: Duration,
-    stall_timeout: Option<Duration>,
+    config: UpstreamConfig,
     extra_ca_certs: &[CertificateDer<'static>],
 ) -> UpstreamClient {
     UpstreamClient {
         https: OnceLock::new(),
-        connect_timeout,
-        stall_timeout,
+        config,
         extra_ca_certs: extra_ca_certs.to_vec(),
     }
 }

@@ -26,7 +26,7 @@
 //! 2. the cookie named `cookie` (default off);
 //! 3. the first `body_prefix_bytes` of the body (default 256; 0 turns it off): prompts that
 //!    start alike (same system prompt, same conversation) share a key, and the replica that
-//!    served one has the prefix cached. The core reads bodies up to `retry_body_limit` before
+//!    served one has the prefix cached. The core reads bodies up to `retry.body_limit` before
 //!    routing, so keep `body_prefix_bytes` below it.
 //!
 //! A request with none of them (a `GET` without the header, say) goes to the least-loaded
@@ -87,7 +87,7 @@ pub const ENTRY: StrategyEntry = StrategyEntry {
 /// Largest `virtual_nodes` accepted.
 const MAX_VIRTUAL_NODES: usize = 1000;
 
-/// Largest `body_prefix_bytes` accepted (1 MiB, the default `retry_body_limit`).
+/// Largest `body_prefix_bytes` accepted (1 MiB, the default `retry.body_limit`).
 const MAX_BODY_PREFIX_BYTES: usize = 1 << 20;
 
 /// `[strategy.params]` of `affinity`.

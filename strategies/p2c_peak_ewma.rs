@@ -29,10 +29,10 @@
 //! # Details of this implementation
 //!
 //! - Samples are the core's outcome latencies (seconds from dispatch to the end of the response;
-//!   a failure counts at least `latency_threshold`). A **failure** also counts at least twice the
+//!   a failure counts at least `latency.threshold`). A **failure** also counts at least twice the
 //!   backend's current estimate, so a replica that answers errors quickly never looks fast even
 //!   when normal answers take longer than the threshold; consecutive failures double it again
-//!   (the core ejects the replica after `consecutive_failures`).
+//!   (the core ejects the replica after `availability.consecutive_failures`).
 //! - A backend never measured is assumed as slow as the **mean current estimate of the measured
 //!   ones** (or `default_rtt` seconds when that parameter is set): attractive while it has fewer
 //!   requests in flight than its peers, never infinitely so. Tower defaults to 1 s and Linkerd to
@@ -51,7 +51,7 @@
 //! - **Queueing**: `pick` returns `None` only when there is no candidate at all (no backends set
 //!   yet, or every one ejected or paused after busy answers). Such a request waits in the core
 //!   queue, like with `queued-least-latency`, and leaves when set-backends or the end of a pause
-//!   brings a backend back (bounded by `queue_max_size` and `queue_timeout`). With candidates it
+//!   brings a backend back (bounded by `queue.max_size` and `queue.timeout`). With candidates it
 //!   always picks one: load is spread by cost, not held in the router.
 //!
 //! Use it for replicas of different or changing speeds with many concurrent requests; it needs

@@ -96,7 +96,7 @@ async fn a_429_with_retry_after_pauses_the_backend_for_that_long() {
 
 #[tokio::test(start_paused = true)]
 async fn a_busy_pause_is_capped() {
-    let balancer = balancer(|c| c.max_busy_pause = 5.0);
+    let balancer = balancer(|c| c.availability.max_busy_pause = Duration::from_secs(5));
     with_backends(&balancer, &["busy:1", "free:1"]);
     fail_on(
         &balancer,
@@ -117,9 +117,9 @@ async fn a_busy_pause_is_capped() {
 #[tokio::test(start_paused = true)]
 async fn consecutive_failures_eject_for_a_growing_time_and_4xx_never_count() {
     let balancer = balancer(|c| {
-        c.consecutive_failures = 3;
-        c.ejection_time = 10.0;
-        c.max_ejection_time = 25.0;
+        c.availability.consecutive_failures = 3;
+        c.availability.ejection_time = Duration::from_secs(10);
+        c.availability.max_ejection_time = Duration::from_secs(25);
     });
     let backends = with_backends(&balancer, &["bad:1", "good:1"]);
     let not_found = Finish {
@@ -166,7 +166,7 @@ async fn consecutive_failures_eject_for_a_growing_time_and_4xx_never_count() {
 
 #[tokio::test(start_paused = true)]
 async fn never_more_than_the_allowed_share_is_ejected_and_one_backend_never() {
-    let balancer = balancer(|c| c.consecutive_failures = 1);
+    let balancer = balancer(|c| c.availability.consecutive_failures = 1);
     let backends = with_backends(&balancer, &["a:1", "b:1"]);
     fail_on(&balancer, "a:1", REFUSED).await;
     fail_on(&balancer, "b:1", REFUSED).await;
@@ -176,7 +176,7 @@ async fn never_more_than_the_allowed_share_is_ejected_and_one_backend_never() {
         .count();
     assert_eq!(ejected, 1, "50 % of 2");
 
-    let balancer = self::balancer(|c| c.consecutive_failures = 1);
+    let balancer = self::balancer(|c| c.availability.consecutive_failures = 1);
     let backends = with_backends(&balancer, &["only:1"]);
     fail_on(&balancer, "only:1", REFUSED).await;
     assert!(!backends[0].availability().is_ejected());
@@ -185,8 +185,8 @@ async fn never_more_than_the_allowed_share_is_ejected_and_one_backend_never() {
 #[tokio::test(start_paused = true)]
 async fn when_every_backend_is_ejected_all_are_used_panic_mode() {
     let balancer = balancer(|c| {
-        c.consecutive_failures = 1;
-        c.max_ejection_percent = 100.0;
+        c.availability.consecutive_failures = 1;
+        c.availability.max_ejection_percent = 100.0;
     });
     let backends = with_backends(&balancer, &["a:1", "b:1"]);
     fail_on(&balancer, "a:1", REFUSED).await;
@@ -200,7 +200,7 @@ async fn when_every_backend_is_ejected_all_are_used_panic_mode() {
 
 #[tokio::test(start_paused = true)]
 async fn a_new_backend_ramps_up_over_the_slow_start_window() {
-    let balancer = balancer(|c| c.slow_start = 10.0);
+    let balancer = balancer(|c| c.availability.slow_start = Some(Duration::from_secs(10)));
     with_backends(&balancer, &["old:1"]);
     advance(Duration::from_secs(60)).await;
     with_backends(&balancer, &["old:1", "new:1"]);

@@ -299,17 +299,17 @@ async fn wait_until(condition: impl Fn() -> bool) {
 fn a_strategy_spec_carries_its_parameters_into_the_config_file() {
     use lab::peer::StrategySpec;
     let spec = StrategySpec::parse(
-        "queued-least-latency:score=ewma,ramp_up_factor=3,config.queue_shed_ratio=0",
+        "queued-least-latency:score=ewma,ramp_up_factor=3,config.queue.shed_ratio=0",
     )
     .unwrap();
     assert_eq!(spec.name, "queued-least-latency");
     assert_eq!(
         spec.label(),
-        "queued-least-latency:score=ewma,ramp_up_factor=3,config.queue_shed_ratio=0"
+        "queued-least-latency:score=ewma,ramp_up_factor=3,config.queue.shed_ratio=0"
     );
     let toml = spec.config_toml();
     assert!(
-        toml.starts_with("queue_shed_ratio = 0\n[strategy]\n"),
+        toml.starts_with("queue.shed_ratio = 0\n[strategy]\n"),
         "{toml}"
     );
     assert!(toml.contains("name = \"queued-least-latency\""), "{toml}");

@@ -83,15 +83,17 @@ fn the_grace_period_covers_the_drain() {
     let toml = router_toml();
     let figment = Figment::from(Toml::string(&toml));
     let defaults = Config::default();
-    let seconds = |key: &str, default: f64| {
+    let seconds = |key: &str, default: std::time::Duration| {
         if figment.contains(key) {
             figment.extract_inner::<f64>(key).unwrap()
         } else {
-            default
+            default.as_secs_f64()
         }
     };
-    let drain = seconds("pre_drain_delay", defaults.pre_drain_delay)
-        + seconds("shutdown_timeout", defaults.shutdown_timeout);
+    let drain = seconds(
+        "shutdown.pre_drain_delay",
+        defaults.shutdown.pre_drain_delay,
+    ) + seconds("shutdown.timeout", defaults.shutdown.timeout);
     let deployment = read("deploy/kubernetes/deployment.yaml");
     let grace: f64 = scalar_after(&deployment, "spec:", "terminationGracePeriodSeconds")
         .expect("deployment.yaml sets no terminationGracePeriodSeconds")
@@ -99,7 +101,7 @@ fn the_grace_period_covers_the_drain() {
         .unwrap();
     assert!(
         grace > drain,
-        "terminationGracePeriodSeconds {grace} is not above pre_drain_delay + shutdown_timeout {drain}"
+        "terminationGracePeriodSeconds {grace} is not above shutdown.pre_drain_delay + shutdown.timeout {drain}"
     );
 }
 

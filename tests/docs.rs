@@ -4,7 +4,7 @@
 mod common;
 
 use common::rendered_metrics;
-use custom_router::config::ENV_VARS;
+use custom_router::config::{ENV_VARS, MOVED_KEYS};
 use custom_router::strategies::REGISTRY;
 
 fn read(path: &str) -> String {
@@ -28,10 +28,30 @@ fn every_environment_variable_is_documented() {
             "docs/configuration.md lacks {}",
             var.name
         );
-        let key = var.key.rsplit('.').next().unwrap();
+        assert!(
+            configuration.contains(&format!("`{}`", var.key)),
+            "docs/configuration.md lacks the key {}",
+            var.key
+        );
+        let (section, key) = var.key.rsplit_once('.').unwrap_or(("", var.key));
         assert!(
             default_toml.contains(key),
             "config/default.toml lacks {key}"
+        );
+        assert!(
+            section.is_empty() || default_toml.contains(&format!("[{section}]")),
+            "config/default.toml lacks the section [{section}]"
+        );
+    }
+}
+
+#[test]
+fn every_moved_key_is_in_the_table_of_the_flat_layout() {
+    let configuration = read("docs/configuration.md");
+    for (old, new) in MOVED_KEYS {
+        assert!(
+            configuration.contains(&format!("| `{old}` | `{new}` |")),
+            "docs/configuration.md does not say that {old} moved to {new}"
         );
     }
 }

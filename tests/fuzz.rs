@@ -55,10 +55,10 @@ fn runtime() -> tokio::runtime::Runtime {
 async fn setup(script: Script) -> (common::TestRouter, Backend) {
     let backend = Backend::start(script).await;
     let mut config = common::round_robin();
-    config.max_attempts = 1;
-    config.latency_threshold = 0.05;
-    config.first_byte_timeout = 1.0;
-    config.header_read_timeout = 1.0;
+    config.retry.max_attempts = 1;
+    config.latency.threshold = Duration::from_millis(50);
+    config.upstream.first_byte_timeout = Some(Duration::from_secs(1));
+    config.limits.header_read_timeout = Duration::from_secs(1);
     let router = common::start_router(config).await;
     common::set_backends(router.addr, std::slice::from_ref(&backend.addr)).await;
     (router, backend)

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use custom_router::{Router, Settings};
 use http::StatusCode;
 use serde_json::Value;
 
@@ -202,7 +203,7 @@ async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps
         "the request reached the backend"
     );
     write(&format!(
-        "backends = [\"{}\"]\nfirst_byte_timeout = 0.2\nmax_attempts = 1\n\
+        "backends = [\"{}\"]\n[upstream]\nfirst_byte_timeout = 0.2\n[retry]\nmax_attempts = 1\n\
          [strategy]\nname = \"queued-least-latency\"\n[strategy.params]\nscore = \"ewma\"\n",
         slow.host_port()
     ));
@@ -266,6 +267,48 @@ async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps
         "the running config still applies"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_reload_applies_a_changed_upstream_section_and_names_start_only_keys() {
+    let slow = slow_backend(Duration::from_millis(600)).await;
+    let mut config = round_robin();
+    config.retry.max_attempts = 1;
+    config.latency.threshold = Duration::from_millis(50);
+    let settings = Settings::from_config(config.clone()).unwrap();
+    let router = Router::bind_to(settings, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = router.local_addr();
+    let reloader = router.reloader();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(router.serve(async move {
+        let _ = stopped.await;
+    }));
+    set_backends(addr, &[slow.host_port()]).await;
+    let (status, _) = get(&format!("http://{addr}/slow")).await;
+    assert_eq!(status, StatusCode::OK);
+
+    // The `[upstream]` section is handed to a new client as it is: both timeouts apply.
+    config.upstream.connect_timeout = Duration::from_millis(250);
+    config.upstream.first_byte_timeout = Some(Duration::from_millis(200));
+    let needs_restart = reloader.apply(Settings::from_config(config.clone()).unwrap());
+    assert!(needs_restart.is_empty(), "{needs_restart:?}");
+    let (status, body) = get(&format!("http://{addr}/slow")).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
+
+    // Keys read only at start are named by their dotted keys, a section by its name.
+    config.max_connections = 7;
+    config.retry.budget.percent = 5.0;
+    config.shutdown.timeout = Duration::from_secs(3);
+    config.queue.timeout = Duration::from_secs(9);
+    let needs_restart = reloader.apply(Settings::from_config(config).unwrap());
+    assert_eq!(
+        needs_restart,
+        ["max_connections", "shutdown", "retry.budget"]
+    );
+    let _ = stop.send(());
+    served.await.unwrap();
 }
 
 #[tokio::test]

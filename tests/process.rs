@@ -40,16 +40,17 @@ fn defaults_then_file_then_environment() {
     assert_eq!(code, 0);
     let config: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(config["port"], 3000);
-    assert_eq!(config["queue_max_size"], 1000);
-    assert_eq!(config["latency_threshold"], 3.0);
-    assert_eq!(config["queue_timeout"], 1200.0);
-    assert_eq!(config["ewma_alpha"], 0.3);
+    assert_eq!(config["queue"]["max_size"], 1000);
+    assert_eq!(config["latency"]["threshold"], 3.0);
+    assert_eq!(config["queue"]["timeout"], 1200.0);
+    assert_eq!(config["latency"]["ewma_alpha"], 0.3);
     assert_eq!(config["state_log_interval"], 30.0);
     assert_eq!(config["strategy"]["name"], "queued-least-latency");
 
     let file = config_file(
         "layers.toml",
-        "port = 4000\nqueue_max_size = 50\newma_alpha = 0.5\n[strategy]\nname = \"round-robin\"\n",
+        "port = 4000\n[queue]\nmax_size = 50\n[latency]\newma_alpha = 0.5\n\
+         [strategy]\nname = \"round-robin\"\n",
     );
     let file = file.to_str().unwrap();
     let (code, out, err) = check_config(&["--config", file], &[]);
@@ -58,8 +59,8 @@ fn defaults_then_file_then_environment() {
     assert_eq!(
         (
             config["port"].clone(),
-            config["queue_max_size"].clone(),
-            config["ewma_alpha"].clone()
+            config["queue"]["max_size"].clone(),
+            config["latency"]["ewma_alpha"].clone()
         ),
         (4000.into(), 50.into(), 0.5.into())
     );
@@ -75,8 +76,71 @@ fn defaults_then_file_then_environment() {
     assert_eq!(code, 0, "{err}");
     let config: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(config["port"], 4000, "file value kept where env is silent");
-    assert_eq!(config["queue_max_size"], 7, "env overrides file");
+    assert_eq!(config["queue"]["max_size"], 7, "env overrides file");
     assert_eq!(config["state_log_interval"], 0.5);
+}
+
+#[test]
+fn sections_load_into_durations_and_environment_variables_set_their_nested_keys() {
+    let file = config_file(
+        "sections.toml",
+        "[queue]\ntimeout = 2.5\nmax_size = 9\n\
+         [latency]\nthreshold = 0.75\n\
+         [upstream]\nfirst_byte_timeout = 4\nidle_timeout = 0\n\
+         [availability]\nslow_start = 0.5\n\
+         [shutdown]\npre_drain_delay = 1\n\
+         [retry.budget]\npercent = 5\n\
+         [admin]\nbackend_allow_cidrs = \"10.0.0.0/8, 127.0.0.1\"\n",
+    );
+    let settings = custom_router::config::load(Some(&file)).unwrap();
+    let config = &settings.config;
+    assert_eq!(config.queue.timeout, Duration::from_millis(2500));
+    assert_eq!(config.queue.max_size, 9);
+    assert_eq!(config.latency.threshold, Duration::from_millis(750));
+    assert_eq!(
+        config.upstream.first_byte_timeout,
+        Some(Duration::from_secs(4))
+    );
+    assert_eq!(config.upstream.idle_timeout, None, "0 turns the limit off");
+    assert_eq!(
+        config.availability.slow_start,
+        Some(Duration::from_millis(500))
+    );
+    assert_eq!(config.shutdown.pre_drain_delay, Duration::from_secs(1));
+    assert_eq!(config.shutdown.timeout, Duration::from_secs(30), "default");
+    assert_eq!(config.retry.budget.percent, 5.0);
+    assert_eq!(
+        config.admin.backend_allow_cidrs,
+        [
+            "10.0.0.0/8".parse().unwrap(),
+            "127.0.0.1/32".parse().unwrap()
+        ]
+    );
+
+    let file = file.to_str().unwrap();
+    let (code, out, err) = check_config(
+        &["--config", file],
+        &[
+            ("CUSTOM_ROUTER_QUEUE_TIMEOUT", "0.25"),
+            ("CUSTOM_ROUTER_UPSTREAM_IDLE_TIMEOUT", "7"),
+            ("CUSTOM_ROUTER_RETRY_BUDGET_MIN_PER_SECOND", "3"),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let config: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(config["queue"]["timeout"], 0.25, "env overrides file");
+    assert_eq!(
+        config["queue"]["max_size"], 9,
+        "the rest of the section kept"
+    );
+    assert_eq!(config["upstream"]["idle_timeout"], 7.0);
+    assert_eq!(config["upstream"]["first_byte_timeout"], 4.0);
+    assert_eq!(config["retry"]["budget"]["min_per_second"], 3.0);
+    assert_eq!(config["retry"]["budget"]["percent"], 5.0);
+    assert_eq!(
+        config["admin"]["backend_allow_cidrs"],
+        serde_json::json!(["10.0.0.0/8", "127.0.0.1/32"])
+    );
 }
 
 /// Flags, environment, and the fragments the one error line must contain.
@@ -90,6 +154,9 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
         "[strategy]\nname = \"round-robin\"\n[strategy.params]\nweight = 2\n",
     );
     let bad_toml = config_file("bad.toml", "port = = 1\n");
+    let moved = config_file("moved.toml", "port = 1\nqueue_timeout = 5\n");
+    let negative = config_file("negative.toml", "[queue]\ntimeout = -1\n");
+    let bad_cidr = config_file("cidr.toml", "[admin]\nbackend_allow_cidrs = [\"nope\"]\n");
     let missing = std::env::temp_dir().join("custom-router-no-such-file.toml");
     let missing = missing.to_str().unwrap();
     let cases: Vec<ErrorCase> = vec![
@@ -142,6 +209,42 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
             vec!["--config", unknown_key.to_str().unwrap()],
             vec![],
             vec!["queue_size", "unknown.toml"],
+        ),
+        (
+            vec!["--config", moved.to_str().unwrap()],
+            vec![],
+            vec![
+                "key `queue_timeout` in",
+                "moved.toml",
+                "moved to `queue.timeout`",
+            ],
+        ),
+        (
+            vec!["--config", negative.to_str().unwrap()],
+            vec![],
+            vec![
+                "key `queue.timeout` in",
+                "negative.toml",
+                "expected a positive number of seconds, found -1",
+            ],
+        ),
+        (
+            vec![],
+            vec![("CUSTOM_ROUTER_SLOW_START", "-2")],
+            vec![
+                "CUSTOM_ROUTER_SLOW_START",
+                "expected zero or a positive number of seconds, found -2",
+            ],
+        ),
+        (
+            vec!["--config", bad_cidr.to_str().unwrap()],
+            vec![],
+            vec!["key `admin.backend_allow_cidrs` in", "cidr.toml", "nope"],
+        ),
+        (
+            vec![],
+            vec![("CUSTOM_ROUTER_BACKEND_ALLOW_CIDRS", "10.0.0.0/33")],
+            vec!["CUSTOM_ROUTER_BACKEND_ALLOW_CIDRS", "10.0.0.0/33"],
         ),
         (
             vec!["--config", unknown_param.to_str().unwrap()],

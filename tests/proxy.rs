@@ -275,7 +275,7 @@ async fn unreachable_backend_answers_502_json() {
         listener.local_addr().unwrap()
     };
     let mut config = round_robin();
-    config.latency_threshold = 0.2;
+    config.latency.threshold = Duration::from_millis(200);
     let router = start_router(config).await;
     set_backends(router.addr, &[closed.to_string()]).await;
     let started = std::time::Instant::now();

@@ -18,7 +18,7 @@ async fn one_replica_refusing_connections_costs_at_most_two_percent() {
     let (_healthy, addrs) = three_healthy_and(refusing_addr(), 1, Duration::from_millis(20)).await;
     // Retries off: the strategy rule alone must keep the dead replica from attracting traffic.
     let mut config = qll();
-    config.max_attempts = 1;
+    config.retry.max_attempts = 1;
     let router = start_router(config).await;
     set_backends(router.addr, &addrs).await;
     let statuses = run_load(&router, 300, 8).await;
@@ -36,7 +36,7 @@ async fn one_replica_answering_500_at_once_costs_at_most_ten_percent() {
     let (_healthy, addrs) =
         three_healthy_and(failing.host_port(), 2, Duration::from_millis(20)).await;
     let mut config = qll();
-    config.max_attempts = 1;
+    config.retry.max_attempts = 1;
     let router = start_router(config).await;
     set_backends(router.addr, &addrs).await;
     let statuses = run_load(&router, 300, 8).await;
@@ -130,7 +130,7 @@ async fn stress_every_request_is_answered_or_cancelled_exactly_once() {
     }
     let addrs: Vec<String> = backends.iter().map(FakeBackend::host_port).collect();
     let mut config = qll();
-    config.queue_max_size = 64;
+    config.queue.max_size = 64;
     let router = start_router(config).await;
     set_backends(router.addr, &addrs).await;
 

@@ -110,7 +110,7 @@ async fn rule2_a_never_measured_busy_backend_waits_for_its_first_result() {
 
 #[tokio::test(start_paused = true)]
 async fn rule3_a_measured_idle_backend_is_used_even_above_the_threshold() {
-    let balancer = balancer(|c| c.latency_threshold = 3.0);
+    let balancer = balancer(|c| c.latency.threshold = Duration::from_secs(3));
     let backends = with_backends(&balancer, &["a:1"]);
     finish_after(admit_now(&balancer).await, Duration::from_secs(10)).await;
     assert_eq!(backends[0].ewma_latency(), Some(10.0));
@@ -136,7 +136,7 @@ async fn rule4_a_busy_backend_needs_a_low_ewma_and_ramp_up_room() {
     assert!(sixth.await.unwrap().is_ok());
 
     // EWMA at or above the threshold: a busy backend takes nothing more.
-    let balancer = self::balancer(|c| c.latency_threshold = 3.0);
+    let balancer = self::balancer(|c| c.latency.threshold = Duration::from_secs(3));
     let backends = with_backends(&balancer, &["a:1"]);
     finish_after(admit_now(&balancer).await, Duration::from_secs(4)).await;
     let busy = admit_now(&balancer).await;
@@ -189,7 +189,7 @@ async fn rule5_lowest_ewma_wins_and_equal_backends_take_turns() {
 
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_evicts_the_oldest_waiter_with_503() {
-    let balancer = balancer(|c| c.queue_max_size = 2);
+    let balancer = balancer(|c| c.queue.max_size = 2);
     with_backends(&balancer, &["a:1"]);
     let _probe = admit_now(&balancer).await;
     let oldest = admit_later(&balancer).await;
@@ -206,7 +206,7 @@ async fn a_full_queue_evicts_the_oldest_waiter_with_503() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_waiting_past_the_queue_timeout_gets_503_at_the_deadline() {
-    let balancer = balancer(|c| c.queue_timeout = 5.0);
+    let balancer = balancer(|c| c.queue.timeout = Duration::from_secs(5));
     with_backends(&balancer, &["a:1"]);
     let _probe = admit_now(&balancer).await;
     let started = Instant::now();
@@ -228,7 +228,7 @@ async fn a_request_waiting_past_the_queue_timeout_gets_503_at_the_deadline() {
 async fn waiters_are_dispatched_in_arrival_order() {
     // Answers slower than the threshold: the backend takes one request at a time (rules 3 and 4),
     // so each finish lets exactly one waiter go.
-    let balancer = balancer(|c| c.latency_threshold = 0.01);
+    let balancer = balancer(|c| c.latency.threshold = Duration::from_millis(10));
     with_backends(&balancer, &["a:1"]);
     let mut lease = admit_now(&balancer).await;
     let mut waiters = Vec::new();
@@ -272,7 +272,7 @@ async fn a_client_gone_while_queued_is_never_dispatched() {
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_backend() {
-    let balancer = balancer(|c| c.latency_threshold = 2.0);
+    let balancer = balancer(|c| c.latency.threshold = Duration::from_secs(2));
     let backends = with_backends(&balancer, &["dead:1", "live:1"]);
     // Both probed; the dead one fails in 1 ms, the live one answers in 50 ms.
     let first = admit_now(&balancer).await;
@@ -307,7 +307,7 @@ async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_back
     assert_eq!(backends[0].in_flight(), 0);
 
     // A 5xx answer is a failure too.
-    let balancer = self::balancer(|c| c.latency_threshold = 2.0);
+    let balancer = self::balancer(|c| c.latency.threshold = Duration::from_secs(2));
     let backends = with_backends(&balancer, &["a:1"]);
     let lease = admit_now(&balancer).await;
     advance(Duration::from_millis(5)).await;
@@ -362,7 +362,7 @@ async fn queued_requests_go_out_when_backends_arrive() {
 
 #[tokio::test(start_paused = true)]
 async fn completed_is_capped_at_two_fifths_of_the_queue_size() {
-    let balancer = balancer(|c| c.queue_max_size = 10);
+    let balancer = balancer(|c| c.queue.max_size = 10);
     let backends = with_backends(&balancer, &["a:1"]);
     for _ in 0..10 {
         finish_after(admit_now(&balancer).await, Duration::from_millis(1)).await;
@@ -384,7 +384,7 @@ async fn five_in_flight_at_one_second(balancer: &Arc<Balancer>) -> Vec<Lease> {
 
 #[tokio::test(start_paused = true)]
 async fn a_queue_of_ratio_times_the_in_flight_requests_sheds_new_ones_at_once() {
-    let balancer = balancer(|c| c.queue_shed_ratio = 2.0);
+    let balancer = balancer(|c| c.queue.shed_ratio = 2.0);
     with_backends(&balancer, &["a:1"]);
     let mut leases = five_in_flight_at_one_second(&balancer).await;
     // 2 × 5 in flight: ten may wait.
@@ -417,7 +417,7 @@ async fn a_queue_of_ratio_times_the_in_flight_requests_sheds_new_ones_at_once() 
 
 #[tokio::test(start_paused = true)]
 async fn nothing_is_shed_while_a_backend_has_no_latency_yet() {
-    let balancer = balancer(|c| c.queue_shed_ratio = 2.0);
+    let balancer = balancer(|c| c.queue.shed_ratio = 2.0);
     with_backends(&balancer, &["a:1"]);
     // A burst on a backend never measured: one probe in flight, the rest wait for its answer.
     let probe = admit_now(&balancer).await;
@@ -441,7 +441,7 @@ async fn nothing_is_shed_while_a_backend_has_no_latency_yet() {
 
 #[tokio::test(start_paused = true)]
 async fn a_ratio_of_zero_never_sheds() {
-    let balancer = balancer(|c| c.queue_shed_ratio = 0.0);
+    let balancer = balancer(|c| c.queue.shed_ratio = 0.0);
     with_backends(&balancer, &["a:1"]);
     let _leases = five_in_flight_at_one_second(&balancer).await;
     let mut waiting = Vec::new();

@@ -64,8 +64,8 @@ async fn one_failing_of_four(
     let failing = flaky_backend(Arc::clone(healthy)).await;
     let (others, addrs) = three_healthy_and(failing.host_port(), 1, Duration::from_millis(5)).await;
     let mut config = with_strategy(strategy);
-    config.ejection_time = 0.3;
-    config.health_check_path = Some("/health".to_owned());
+    config.availability.ejection_time = Duration::from_millis(300);
+    config.availability.health_check_path = Some("/health".to_owned());
     let router = start_router(config).await;
     set_backends(router.addr, &addrs).await;
     (router, failing, others)
@@ -268,7 +268,7 @@ async fn a_first_byte_timeout_answers_504_and_retries_idempotent_requests() {
     .await;
     let quick = named_backend("quick").await;
     let mut config = with_strategy("round-robin");
-    config.first_byte_timeout = 0.2;
+    config.upstream.first_byte_timeout = Some(Duration::from_millis(200));
     let router = start_router(config).await;
     set_backends(router.addr, &[hanging.host_port()]).await;
     let started = std::time::Instant::now();
@@ -334,7 +334,7 @@ async fn sigterm_drains_200_streams_to_completion_and_health_says_draining() {
 async fn a_slow_header_client_loses_its_slot_at_the_header_timeout() {
     let backend = named_backend("served").await;
     let mut config = with_strategy("round-robin");
-    config.header_read_timeout = 1.0;
+    config.limits.header_read_timeout = Duration::from_secs(1);
     config.max_connections = 2;
     let router = start_router(config).await;
     set_backends(router.addr, &[backend.host_port()]).await;
@@ -381,7 +381,7 @@ async fn a_slow_header_client_loses_its_slot_at_the_header_timeout() {
 async fn a_silent_connection_loses_its_slot_at_the_header_timeout() {
     let backend = named_backend("served").await;
     let mut config = with_strategy("round-robin");
-    config.header_read_timeout = 0.5;
+    config.limits.header_read_timeout = Duration::from_millis(500);
     config.max_connections = 1;
     let router = start_router(config).await;
     set_backends(router.addr, &[backend.host_port()]).await;
@@ -471,7 +471,7 @@ fn hostile_request(rng: &mut Rng) -> Vec<u8> {
 async fn ten_thousand_hostile_requests_leave_the_router_healthy_and_the_set_unchanged() {
     let backend = named_backend("ok").await;
     let mut config = with_strategy("round-robin");
-    config.header_read_timeout = 2.0;
+    config.limits.header_read_timeout = Duration::from_secs(2);
     let router = start_router(config).await;
     let set = vec![backend.host_port()];
     set_backends(router.addr, &set).await;
@@ -513,7 +513,7 @@ async fn ten_thousand_hostile_requests_leave_the_router_healthy_and_the_set_unch
 #[tokio::test]
 async fn set_backends_requires_the_token_when_one_is_set() {
     let mut config = with_strategy("round-robin");
-    config.admin_token = Some("s3cret".to_owned());
+    config.admin.token = Some("s3cret".to_owned());
     let router = start_router(config).await;
     let url = router.url("/_custom_router/set-backends");
     let body = r#"{"backends":["127.0.0.1:9001"]}"#;
@@ -545,7 +545,8 @@ async fn set_backends_requires_the_token_when_one_is_set() {
 #[tokio::test]
 async fn backends_outside_the_allowed_networks_are_refused() {
     let mut config = with_strategy("round-robin");
-    config.backend_allow_cidrs = vec!["10.0.0.0/8".to_owned(), "127.0.0.1".to_owned()];
+    config.admin.backend_allow_cidrs =
+        vec!["10.0.0.0/8".parse().unwrap(), "127.0.0.1".parse().unwrap()];
     let router = start_router(config).await;
     let url = router.url("/_custom_router/set-backends");
     set_backends(

@@ -1,9 +1,10 @@
-//! `https://` backends: TLS to the backend, trusting the system store plus `tls_ca_file`.
+//! `https://` backends: TLS to the backend, trusting the system store plus `upstream.tls_ca_file`.
 
 mod common;
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
 use http::StatusCode;
@@ -64,7 +65,7 @@ async fn https_backends_are_reached_over_tls_with_a_configured_ca() {
     let ca_file = std::env::temp_dir().join(format!("custom-router-ca-{}.pem", std::process::id()));
     std::fs::write(&ca_file, cert_pem).unwrap();
     let mut config = round_robin();
-    config.tls_ca_file = Some(ca_file);
+    config.upstream.tls_ca_file = Some(ca_file);
     let router = start_router(config).await;
     set_backends(router.addr, &[format!("https://{addr}")]).await;
     let (status, body) = get(&router.url("/v1/models")).await;
@@ -75,7 +76,7 @@ async fn https_backends_are_reached_over_tls_with_a_configured_ca() {
 async fn an_untrusted_https_backend_answers_502() {
     let (addr, _cert_pem, _task) = tls_backend().await;
     let mut config = round_robin();
-    config.latency_threshold = 0.05;
+    config.latency.threshold = Duration::from_millis(50);
     let router = start_router(config).await;
     set_backends(router.addr, &[format!("https://{addr}")]).await;
     let (status, body) = get(&router.url("/v1/models")).await;

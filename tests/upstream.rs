@@ -392,7 +392,7 @@ async fn an_early_answer_reaches_the_client_while_its_body_is_still_streaming() 
     .await;
     let mut config = round_robin();
     // No body is kept in memory for a retry: the first chunk goes to the backend at once.
-    config.retry_body_limit = 0;
+    config.retry.body_limit = 0;
     let router = router_with(config, &backend).await;
     let (chunks, body) = channel_body();
     chunks.send(Bytes::from(vec![b'x'; 4096])).await.unwrap();
@@ -553,7 +553,7 @@ async fn a_streamed_request_body_of_unknown_length_arrives_chunked() {
     .await;
     let mut config = round_robin();
     // No body is kept in memory: it streams to the backend as the client sends it.
-    config.retry_body_limit = 0;
+    config.retry.body_limit = 0;
     let router = router_with(config, &backend).await;
     let (chunks, body) = channel_body();
     tokio::spawn(async move {

@@ -82,8 +82,8 @@ impl PeerSpec {
 }
 
 /// A registered strategy and the parameters it runs with: `NAME` or `NAME:KEY=VALUE,...`
-/// (for example `queued-least-latency:score=ewma`). A key `config.KEY` sets the router's
-/// top-level key `KEY` instead (for example `config.queue_shed_ratio=0`).
+/// (for example `queued-least-latency:score=ewma`). A key `config.KEY` sets the router's key
+/// `KEY` instead, dotted for a section (for example `config.queue.shed_ratio=0`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StrategySpec {
     /// Registry name.

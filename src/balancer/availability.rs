@@ -1,4 +1,5 @@
-//! Which backends may be picked: outlier ejection, busy pauses, readmission probes, panic mode.
+//! Which backends may be picked: outlier ejection, busy pauses, readmission probes, panic mode,
+//! held to the `[availability]` section ([`AvailabilityConfig`], whose keys are named below).
 //!
 //! - A backend with `consecutive_failures` failures in a row (connect error, timeout, I/O error,
 //!   500, 502, 504, or 503 without `Retry-After`) is ejected for `ejection_time × n` (n-th ejection
@@ -18,11 +19,64 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::{Balancer, Queue};
 use crate::backend::Backend;
 use crate::classify::Class;
+
+/// The `[availability]` section: when a backend is ejected or paused, how it is readmitted and how
+/// its share ramps up again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AvailabilityConfig {
+    /// Failures in a row that eject a backend.
+    pub consecutive_failures: u32,
+    /// The first ejection's length; the n-th ejection of a series lasts n times this.
+    #[serde(with = "crate::forms::seconds")]
+    pub ejection_time: Duration,
+    /// The longest ejection.
+    #[serde(with = "crate::forms::seconds")]
+    pub max_ejection_time: Duration,
+    /// Largest share of the backends ejected at once, in percent.
+    pub max_ejection_percent: f64,
+    /// Path probed with `GET` before an ejected backend is readmitted (`None`: no probe).
+    #[serde(with = "crate::forms::text")]
+    pub health_check_path: Option<String>,
+    /// How long a readmission probe may take.
+    #[serde(with = "crate::forms::seconds")]
+    pub health_check_timeout: Duration,
+    /// The longest pause of a busy backend (429, or 503 with `Retry-After`).
+    #[serde(with = "crate::forms::seconds")]
+    pub max_busy_pause: Duration,
+    /// The slow-start ramp of new and readmitted backends (`None`: off).
+    #[serde(with = "crate::forms::seconds_or_off")]
+    pub slow_start: Option<Duration>,
+}
+
+impl Default for AvailabilityConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 5,
+            ejection_time: Duration::from_secs(30),
+            max_ejection_time: Duration::from_secs(300),
+            max_ejection_percent: 50.0,
+            health_check_path: None,
+            health_check_timeout: Duration::from_secs(2),
+            max_busy_pause: Duration::from_secs(60),
+            slow_start: None,
+        }
+    }
+}
+
+impl AvailabilityConfig {
+    /// How long the n-th ejection of a series lasts: n × `ejection_time`, at most
+    /// `max_ejection_time`.
+    fn ejection_length(&self, ejections: u32) -> Duration {
+        (self.ejection_time * ejections).min(self.max_ejection_time)
+    }
+}
 
 impl Balancer {
     /// Applies what an attempt's class means for `backend`'s availability: success or a client
@@ -32,11 +86,16 @@ impl Balancer {
         match class {
             Class::Success | Class::ClientError => backend.reset_failures_in_a_row(),
             Class::Failure(_) => {
-                if backend.record_failure_in_a_row() >= self.tuning.load().consecutive_failures {
+                if backend.record_failure_in_a_row()
+                    >= self.tuning.load().availability.consecutive_failures
+                {
                     self.eject(backend);
                 }
             }
-            Class::Busy(pause) => self.pause(backend, pause.min(self.tuning.load().max_busy_pause)),
+            Class::Busy(pause) => self.pause(
+                backend,
+                pause.min(self.tuning.load().availability.max_busy_pause),
+            ),
             Class::Neutral => {}
         }
     }
@@ -50,10 +109,11 @@ impl Balancer {
         if !self.is_current(backend) {
             return;
         }
+        let tuning = self.tuning.load();
+        let config = &tuning.availability;
         let all = self.backends.load();
         let ejected = all.iter().filter(|b| b.availability().is_ejected()).count();
-        let allowed =
-            (all.len() as f64 * self.tuning.load().max_ejection_percent / 100.0).floor() as usize;
+        let allowed = (all.len() as f64 * config.max_ejection_percent / 100.0).floor() as usize;
         let now = Instant::now();
         let until = {
             let mut state = backend.lock_availability();
@@ -62,14 +122,14 @@ impl Balancer {
             }
             let series_over = state
                 .last_ejected_at
-                .is_none_or(|at| now.duration_since(at) > self.tuning.load().max_ejection_time * 2);
+                .is_none_or(|at| now.duration_since(at) > config.max_ejection_time * 2);
             state.ejections = if series_over { 1 } else { state.ejections + 1 };
-            let length = (self.tuning.load().ejection_time * state.ejections)
-                .min(self.tuning.load().max_ejection_time);
+            let length = config.ejection_length(state.ejections);
             state.ejected_until = Some(now + length);
             state.last_ejected_at = Some(now);
             now + length
         };
+        drop(tuning);
         backend.reset_failures_in_a_row();
         backend.count_ejection();
         self.metrics.ejections.add(1, &[]);
@@ -120,7 +180,7 @@ impl Balancer {
             let mut state = backend.lock_availability();
             if let Some(until) = state.ejected_until {
                 if until <= now && !state.probing {
-                    if self.tuning.load().health_check_path.is_some() {
+                    if self.tuning.load().availability.health_check_path.is_some() {
                         state.probing = true;
                         self.spawn_probe(Arc::clone(backend));
                     } else {
@@ -181,11 +241,16 @@ impl Balancer {
 
     async fn probe(&self, backend: &Arc<Backend>) -> bool {
         let tuning = self.tuning.load_full();
-        let (Some(path), Some(prober)) = (&tuning.health_check_path, self.prober.get()) else {
+        let (Some(path), Some(prober)) =
+            (&tuning.availability.health_check_path, self.prober.get())
+        else {
             return true;
         };
-        let answer =
-            tokio::time::timeout(tuning.health_check_timeout, prober.probe(backend, path)).await;
+        let answer = tokio::time::timeout(
+            tuning.availability.health_check_timeout,
+            prober.probe(backend, path),
+        )
+        .await;
         let passed = answer.unwrap_or(false);
         tracing::info!(backend = %backend.addr(), passed, "readmission probe");
         passed
@@ -203,8 +268,11 @@ impl Balancer {
                 None
             } else {
                 state.ejections += 1;
-                let length = (self.tuning.load().ejection_time * state.ejections)
-                    .min(self.tuning.load().max_ejection_time);
+                let length = self
+                    .tuning
+                    .load()
+                    .availability
+                    .ejection_length(state.ejections);
                 state.ejected_until = Some(now + length);
                 Some(now + length)
             }
@@ -224,7 +292,7 @@ impl Balancer {
     /// Whether a slow-starting backend takes this pick: its share ramps linearly from 10 % to
     /// 100 % over `slow_start`.
     pub(super) fn ramp_admits(&self, backend: &Backend) -> bool {
-        let Some(window) = self.tuning.load().slow_start else {
+        let Some(window) = self.tuning.load().availability.slow_start else {
             return true;
         };
         let Some(from) = backend.availability().ramp_from else {

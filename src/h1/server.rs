@@ -41,8 +41,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::AsyncWriteExt;
-use tokio::io::{AsyncRead, AsyncWrite};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
 use super::client::Passthrough;
@@ -56,19 +56,33 @@ use super::{
 /// Request bodies of known length up to this many bytes are read with their head.
 pub const READ_WHOLE: u64 = 64 * 1024;
 
-/// What a connection is held to.
-#[derive(Debug, Clone, Copy)]
+/// What a client connection is held to: the `[limits]` section of the configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// How long a client may take to send a request head (and how long an idle connection
     /// waits for the next one).
+    #[serde(with = "crate::forms::seconds")]
     pub header_read_timeout: Duration,
-    /// Largest request head accepted.
-    pub max_header_bytes: usize,
     /// How long a client may leave its request body without sending a byte (then 408).
+    #[serde(with = "crate::forms::seconds")]
     pub body_read_timeout: Duration,
+    /// Largest request head accepted (for HTTP/2, the largest header list).
+    pub max_header_bytes: usize,
     /// Whether header fields whose names contain `_` are kept (by default they are dropped, as
     /// nginx does: CGI-style backends read `X_A` and `X-A` as the same name).
     pub allow_underscore_headers: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
+            max_header_bytes: 64 * 1024,
+            allow_underscore_headers: false,
+        }
+    }
 }
 
 /// The reading side of a client connection and what was read from it.

@@ -9,8 +9,8 @@
 //! 1. it was never measured and is idle: score 0 (probe it first);
 //! 2. it was never measured and has a request in flight: not a candidate until that result is in;
 //! 3. it was measured and is idle: score = its EWMA, even above the latency threshold;
-//! 4. it was measured and is busy: a candidate only if its EWMA is below `latency_threshold` **and**
-//!    its in-flight count is below `ramp_up_factor × completed`; score = its EWMA.
+//! 4. it was measured and is busy: a candidate only if its EWMA is below `latency.threshold`
+//!    **and** its in-flight count is below `ramp_up_factor × completed`; score = its EWMA.
 //!
 //! **`score = "load"` (default): predicted latency with a learned concurrency limit.** End-to-end
 //! latency mixes up a slow replica with a long answer, and a latency threshold is not a capacity
@@ -23,7 +23,7 @@
 //!   fleet's: for each kind, its cost over the mean cost of the replicas that served that kind
 //!   (the geometric mean of the two ratios when it served both), so replicas compare on equal
 //!   terms whatever mix of answers each happened to get. A failed attempt counts as
-//!   `latency_threshold` for 1 KiB in both kinds, which keeps a failing replica last.
+//!   `latency.threshold` for 1 KiB in both kinds, which keeps a failing replica last.
 //! - *Concurrency limit*: learned from time to first byte (for a streamed answer, the time to the
 //!   first token: queueing plus prefill). Each replica keeps a TTFB baseline (its lowest recent
 //!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline + `ttfb_slack` raises
@@ -51,7 +51,8 @@
 //! replica is neither preferred nor retried at once.
 //!
 //! ```toml
-//! latency_threshold = 3.0      # top-level: used by the core and by this strategy
+//! [latency]
+//! threshold = 3.0              # used by the core and by this strategy
 //! [strategy]
 //! name = "queued-least-latency"
 //! [strategy.params]
@@ -64,13 +65,14 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use figment::value::Value;
 use serde::Deserialize;
 
 use super::{
-    Candidates, Outcome, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry,
-    parse_params,
+    Candidates, LatencyConfig, Outcome, ParamsError, RequestInfo, Strategy, StrategyContext,
+    StrategyEntry, parse_params,
 };
 use crate::backend::Backend;
 
@@ -172,7 +174,7 @@ impl QueuedLeastLatency {
     fn with(params: &Params, context: &StrategyContext) -> Self {
         Self {
             score: params.score,
-            latency_threshold: context.latency_threshold,
+            latency_threshold: context.latency.threshold.as_secs_f64(),
             ramp_up_factor: params.ramp_up_factor,
             ttfb_tolerance: params.ttfb_tolerance,
             ttfb_slack: params.ttfb_slack,
@@ -193,8 +195,10 @@ impl QueuedLeastLatency {
         Self::with(
             &params,
             &StrategyContext {
-                latency_threshold,
-                ..StrategyContext::default()
+                latency: LatencyConfig {
+                    threshold: Duration::from_secs_f64(latency_threshold),
+                    ..LatencyConfig::default()
+                },
             },
         )
     }
@@ -204,8 +208,10 @@ impl QueuedLeastLatency {
         Self::with(
             &Params::default(),
             &StrategyContext {
-                latency_threshold,
-                ..StrategyContext::default()
+                latency: LatencyConfig {
+                    threshold: Duration::from_secs_f64(latency_threshold),
+                    ..LatencyConfig::default()
+                },
             },
         )
     }

@@ -1029,10 +1029,10 @@ pub struct Vector {
 /// per request, and a backend that answers each request with its path.
 pub fn vector(id: &str, steps: Vec<Step>) -> Vector {
     let mut config = round_robin();
-    config.max_attempts = 1;
+    config.retry.max_attempts = 1;
     // A failed attempt keeps its backend counted in flight until this much time has passed since
     // dispatch; short, so the in-flight check after each vector sees failures released.
-    config.latency_threshold = 0.05;
+    config.latency.threshold = Duration::from_millis(50);
     Vector {
         id: id.to_owned(),
         config,

@@ -764,7 +764,7 @@ pub fn headers() -> Vec<Vector> {
                 Step::Canary,
             ],
         )
-        .config(|config| config.allow_underscore_headers = true)
+        .config(|config| config.limits.allow_underscore_headers = true)
         .requests(vec![req("GET /x HTTP/1.1").has("x_api", "1")]),
     );
     // HTTP/1.0 keep-alive: said in the answer, and the connection serves another request.

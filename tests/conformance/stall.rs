@@ -3,6 +3,8 @@
 //! what the client saw, that the backend connection was closed, and (as every vector does)
 //! that nothing stays in flight.
 
+use std::time::Duration;
+
 use crate::harness::*;
 
 const BIG: usize = 2 * 1024 * 1024;
@@ -74,7 +76,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::Closed,
             ],
         )
-        .config(|config| config.body_read_timeout = 0.3)
+        .config(|config| config.limits.body_read_timeout = Duration::from_millis(300))
         .nothing(),
         vector(
             "stall-body-streamed",
@@ -85,7 +87,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::Closed,
             ],
         )
-        .config(|config| config.body_read_timeout = 0.3)
+        .config(|config| config.limits.body_read_timeout = Duration::from_millis(300))
         .backend_closed_within(1000),
         vector(
             "stall-body-chunked",
@@ -96,7 +98,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::Closed,
             ],
         )
-        .config(|config| config.body_read_timeout = 0.3)
+        .config(|config| config.limits.body_read_timeout = Duration::from_millis(300))
         .backend_closed_within(1000),
         // A body that keeps coming, slower than the timeout in total but never idle that long.
         vector(
@@ -114,7 +116,7 @@ pub fn stalls() -> Vec<Vector> {
                 expect(resp(200).body("/x")),
             ],
         )
-        .config(|config| config.body_read_timeout = 0.3)
+        .config(|config| config.limits.body_read_timeout = Duration::from_millis(300))
         .requests(vec![req("POST /x HTTP/1.1").body("bbbbbbbbbb")]),
         // The client leaves while the backend prepares its answer.
         vector(
@@ -168,7 +170,7 @@ pub fn stalls() -> Vec<Vector> {
             Reply::raw(format!("HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{}", &hundred[..10]))
                 .hold(),
         ))
-        .config(|config| config.upstream_idle_timeout = 0.3)
+        .config(|config| config.upstream.idle_timeout = Some(Duration::from_millis(300)))
         .backend_closed_within(1000),
         vector(
             "stall-upstream-idle-chunked",
@@ -187,7 +189,7 @@ pub fn stalls() -> Vec<Vector> {
             ))
             .hold(),
         ))
-        .config(|config| config.upstream_idle_timeout = 0.3)
+        .config(|config| config.upstream.idle_timeout = Some(Duration::from_millis(300)))
         .backend_closed_within(1000),
         // The backend sends nothing: 504, and its connection is not used again.
         vector(
@@ -199,7 +201,7 @@ pub fn stalls() -> Vec<Vector> {
             ],
         )
         .script(Script::default().path("/x", Reply::silent()))
-        .config(|config| config.first_byte_timeout = 0.3)
+        .config(|config| config.upstream.first_byte_timeout = Some(Duration::from_millis(300)))
         .backend_closed_within(1000),
         // The backend answers after the router gave up: the late answer reaches nobody.
         vector(
@@ -214,7 +216,7 @@ pub fn stalls() -> Vec<Vector> {
             "/x",
             Reply::owned(vec![(600, b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nLATE".to_vec())]),
         ))
-        .config(|config| config.first_byte_timeout = 0.3)
+        .config(|config| config.upstream.first_byte_timeout = Some(Duration::from_millis(300)))
         .forbid("LATE"),
         // A partial head, then nothing. nginx closes without an answer; a 408 first is as safe.
         vector(
@@ -225,7 +227,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::ClosedOr(408),
             ],
         )
-        .config(|config| config.header_read_timeout = 0.3)
+        .config(|config| config.limits.header_read_timeout = Duration::from_millis(300))
         .nothing(),
         vector(
             "stall-header-idle-keep-alive",
@@ -236,7 +238,7 @@ pub fn stalls() -> Vec<Vector> {
                 Step::ClosedOr(408),
             ],
         )
-        .config(|config| config.header_read_timeout = 0.3)
+        .config(|config| config.limits.header_read_timeout = Duration::from_millis(300))
         .requests(vec![req("GET /x HTTP/1.1")]),
     ]
 }

@@ -159,6 +159,25 @@ impl Reloader {
     }
 }
 
+/// Connections the kernel completes and queues for the accept loop (the listen backlog). The
+/// standard library's 128 overflows when thousands of clients connect within a second (a
+/// streaming fleet reconnecting, say): SYNs are dropped and those clients wait for their
+/// retransmission, a second or more. HAProxy asks for its `maxconn`, nginx for 511; the kernel
+/// caps the value at `net.core.somaxconn` (4096 by default since Linux 5.4).
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listening socket on `addr`, with `SO_REUSEADDR` (as the standard library sets it) and a
+/// backlog of [`LISTEN_BACKLOG`]. An IPv6 wildcard accepts IPv4 too where the system allows it.
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// A bound router, ready to serve.
 pub struct Router {
     shared: Arc<Shared>,
@@ -183,7 +202,7 @@ impl Router {
             return Self::bind_to(settings, SocketAddr::from((ip, port))).await;
         }
         let v6 = SocketAddr::from((Ipv6Addr::UNSPECIFIED, port));
-        match TcpListener::bind(v6).await {
+        match listen(v6) {
             Ok(listener) => Self::with_listener(settings, listener),
             Err(_) => {
                 Self::bind_to(settings, SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))).await
@@ -193,9 +212,7 @@ impl Router {
 
     /// Binds `addr` (tests use `127.0.0.1:0`).
     pub async fn bind_to(settings: Settings, addr: SocketAddr) -> Result<Self, StartError> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartError::Bind { addr, source })?;
+        let listener = listen(addr).map_err(|source| StartError::Bind { addr, source })?;
         Self::with_listener(settings, listener)
     }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 use super::wire::{Chunked, append_event, stamp_ns};
 
@@ -29,14 +29,10 @@ pub struct Shape {
 /// Listens on a free loopback port and serves every connection in its own task, on a thread of
 /// its own (a current-thread runtime), so that the backend and the clients each have a thread.
 pub fn start(shape: Shape) -> io::Result<SocketAddr> {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())?;
-    // As many waiting connections as the system allows (`somaxconn`).
-    socket.listen(8192)?;
-    socket.set_nonblocking(true)?;
-    let listener: std::net::TcpListener = socket.into();
-    let addr = listener.local_addr()?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    let addr = socket.local_addr()?;
     std::thread::Builder::new()
         .name("backend".to_owned())
         .spawn(move || {
@@ -45,7 +41,8 @@ pub fn start(shape: Shape) -> io::Result<SocketAddr> {
                 .build()
                 .expect("backend runtime");
             runtime.block_on(async move {
-                let listener = TcpListener::from_std(listener).expect("backend listener");
+                // As many waiting connections as the system allows (`somaxconn`).
+                let listener = socket.listen(8192).expect("backend listener");
                 loop {
                     match listener.accept().await {
                         Ok((stream, _)) => {

@@ -85,6 +85,15 @@ impl Default for Limits {
     }
 }
 
+/// The size a connection's write buffer starts with: a response head, or a few small frames
+/// with their chunk lines.
+const OUT_BUFFER: usize = 1024;
+
+/// A streamed body's frames that are ready at once are gathered into one write, up to this
+/// many bytes (events that piled up while the connection waited for the CPU go out together, as
+/// nginx's and HAProxy's buffers send them).
+const MAX_BATCH: usize = 16 * 1024;
+
 /// The reading side of a client connection and what was read from it.
 struct Inbound {
     half: ReadSide,
@@ -309,7 +318,7 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
         read_size: ReadSize::new(),
     });
     let mut slot: Option<Arc<Slot>> = None;
-    let mut out: Vec<u8> = Vec::with_capacity(1024);
+    let mut out: Vec<u8> = Vec::with_capacity(OUT_BUFFER);
     let mut header_timer = HeaderTimer::new(limits.header_read_timeout);
     let mut draining = DrainWatch::new(draining);
     while let Some(mut input) = inbound.take() {
@@ -879,9 +888,14 @@ async fn write_response<B: Answer>(
             match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
                 Poll::Ready(frame) => frame,
                 Poll::Pending => {
+                    // Everything that was ready goes out in one write before the wait.
                     if !out.is_empty() {
                         writer.write_all(out).await?;
                         out.clear();
+                    }
+                    if out.capacity() > 4 * OUT_BUFFER {
+                        // A batch grew the buffer: a waiting stream keeps a small one.
+                        *out = Vec::with_capacity(OUT_BUFFER);
                     }
                     let next = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
                     match input.as_deref_mut() {
@@ -967,8 +981,8 @@ async fn write_response<B: Answer>(
                 continue;
             }
         }
-        if !body.is_end_stream() {
-            // Streamed: what arrived goes out now.
+        if out.len() >= MAX_BATCH {
+            // A long run of frames ready at once goes out in batches of this size.
             writer.write_all(out).await?;
             out.clear();
         }
@@ -1486,6 +1500,74 @@ mod tests {
             );
             assert!(answer.ends_with(&format!("\r\n\r\n{chunked}")), "{answer}");
         }
+    }
+
+    /// Counts the writes made to the pipe.
+    struct Counted {
+        inner: tokio::io::WriteHalf<tokio::io::DuplexStream>,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AsyncWrite for Counted {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let this = self.get_mut();
+            this.writes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Pin::new(&mut this.inner).poll_write(cx, buf)
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_ready_at_once_go_out_in_one_write() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let (reader, writer) = tokio::io::split(server);
+        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let writer = Counted {
+            inner: writer,
+            writes: Arc::clone(&writes),
+        };
+        let (_drain, draining) = watch::channel(false);
+        let events: Vec<Bytes> = (0..20)
+            .map(|i| Bytes::from(format!("data: {{\"token\": {i}}}\n\n")))
+            .collect();
+        let served = serve(
+            Box::new(reader),
+            writer,
+            test_limits(),
+            draining,
+            Frames(events.clone()),
+        );
+        let script = async {
+            client
+                .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            read_all(&mut client).await
+        };
+        let ((), answer) = tokio::join!(served, script);
+        for event in &events {
+            let chunk = format!(
+                "{:x}\r\n{}\r\n",
+                event.len(),
+                String::from_utf8_lossy(event)
+            );
+            assert!(answer.contains(&chunk), "{answer}");
+        }
+        assert!(answer.ends_with("\r\n0\r\n\r\n"), "{answer}");
+        // The head, twenty events and the last chunk: one write.
+        assert_eq!(writes.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
     #[tokio::test]

@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::admin::AdminConfig;
 use crate::balancer::{AvailabilityConfig, QueueConfig, Tuning};
+use crate::forms::Count;
 use crate::h1::server::Limits;
 use crate::proxy::RetryConfig;
 use crate::strategies::{self, LatencyConfig, Strategy, StrategyContext};
@@ -72,12 +73,12 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
         name: "CUSTOM_ROUTER_MAX_CONNECTIONS",
         key: "max_connections",
-        help: "client connections served at once; more wait to be accepted",
+        help: "client connections served at once, or auto (from the open-file limit); more wait to be accepted",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_WORKER_THREADS",
         key: "worker_threads",
-        help: "threads serving requests; 1 runs everything on one thread (cheapest per request)",
+        help: "threads serving requests; 1 runs everything on one thread (cheapest per request); auto: one per CPU",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_LOG_FORMAT",
@@ -362,10 +363,12 @@ pub struct Config {
     /// Between DNS lookups of `dns://` backends.
     #[serde(with = "crate::forms::seconds")]
     pub dns_refresh: Duration,
-    /// Client connections served at once.
-    pub max_connections: usize,
-    /// Threads serving requests: 1 runs a single-threaded runtime.
-    pub worker_threads: usize,
+    /// Client connections served at once; `auto` derives it from the open-file limit
+    /// ([`Settings::max_connections`]).
+    pub max_connections: Count,
+    /// Threads serving requests: 1 runs a single-threaded runtime; `auto` one per available CPU
+    /// ([`Settings::worker_threads`]).
+    pub worker_threads: Count,
     /// Log line format.
     pub log_format: LogFormat,
     /// Between backend-state log lines.
@@ -402,8 +405,8 @@ impl Default for Config {
             port: 3000,
             backends: Vec::new(),
             dns_refresh: Duration::from_secs(5),
-            max_connections: 4096,
-            worker_threads: 1,
+            max_connections: Count::Auto,
+            worker_threads: Count::Fixed(1),
             log_format: LogFormat::Text,
             state_log_interval: Duration::from_secs(30),
             access_log: false,
@@ -480,7 +483,83 @@ impl std::fmt::Debug for Settings {
     }
 }
 
+/// Open files a proxied connection may take: the client's and one to its backend.
+const FILES_PER_CONNECTION: u64 = 2;
+/// Open files kept for everything else (the listener, log and trace exports, DNS lookups,
+/// idle backend connections beyond one per client).
+const FILES_KEPT: u64 = 256;
+/// The most connections `max_connections = "auto"` allows, whatever the open-file limit: at the
+/// memory a stream costs ([performance.md](../docs/performance.md)), 65 536 streams hold about
+/// 1 GiB.
+const MAX_AUTO_CONNECTIONS: u64 = 65_536;
+/// The least connections `max_connections = "auto"` allows.
+const MIN_AUTO_CONNECTIONS: u64 = 64;
+
+/// The process's open-file limit (the soft `RLIMIT_NOFILE`).
+pub fn open_file_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes the limit into the struct it is given, which lives on the stack
+    // for the call.
+    let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    #[allow(clippy::unnecessary_cast)] // `rlim_t` is not `u64` on every target.
+    (read == 0).then_some(limit.rlim_cur as u64)
+}
+
+/// Raises the soft open-file limit to the hard one (as the Go runtime does at start, and nginx's
+/// `worker_rlimit_nofile`): a proxy holds two descriptors per stream, and the usual soft limit of
+/// 1024 would cap it near 500 streams. Returns the limit in force afterwards.
+pub fn raise_open_file_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: as in `open_file_limit`; `setrlimit` only reads the struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    #[allow(clippy::unnecessary_cast)] // `rlim_t` is not `u64` on every target.
+    Some(limit.rlim_cur as u64)
+}
+
+/// `max_connections = "auto"` for an open-file limit: two descriptors a connection, less those
+/// kept for the rest, between 64 and 65 536.
+pub fn connections_for_open_files(limit: u64) -> usize {
+    (limit.saturating_sub(FILES_KEPT) / FILES_PER_CONNECTION)
+        .clamp(MIN_AUTO_CONNECTIONS, MAX_AUTO_CONNECTIONS) as usize
+}
+
 impl Settings {
+    /// Client connections served at once: the configured number, or with `auto` (the default)
+    /// what the open-file limit allows ([`connections_for_open_files`]; 4096 when the limit
+    /// cannot be read).
+    pub fn max_connections(&self) -> usize {
+        self.config
+            .max_connections
+            .or_else(|| open_file_limit().map_or(4096, connections_for_open_files))
+    }
+
+    /// Threads serving requests: the configured number, or with `auto` one per CPU the process
+    /// may use (its affinity mask and cgroup quota included).
+    pub fn worker_threads(&self) -> usize {
+        self.config
+            .worker_threads
+            .or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get))
+    }
+
     /// Validates `config` and builds its strategy. Durations are checked when they are read from
     /// seconds ([`crate::forms`]); a `Config` built in code is taken as it is for them.
     pub fn from_config(config: Config) -> Result<Self, ConfigError> {
@@ -639,8 +718,6 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             "availability.consecutive_failures",
             config.availability.consecutive_failures as usize,
         ),
-        ("max_connections", config.max_connections),
-        ("worker_threads", config.worker_threads),
     ];
     for (key, value) in positive_counts {
         if value == 0 {
@@ -824,6 +901,19 @@ pub fn env_help() -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn auto_connections_follow_the_open_file_limit_within_bounds() {
+        // The usual soft limit: two descriptors a connection, 256 kept.
+        assert_eq!(connections_for_open_files(1024), 384);
+        assert_eq!(connections_for_open_files(20_000), 9_872);
+        // Container defaults (2^20) stop at the memory bound; tiny limits at the floor.
+        assert_eq!(connections_for_open_files(1 << 20), 65_536);
+        assert_eq!(connections_for_open_files(100), 64);
+        // Raising leaves the limit at least where it was.
+        let before = open_file_limit().expect("getrlimit");
+        assert!(raise_open_file_limit().expect("setrlimit") >= before);
+    }
+
     use super::*;
 
     fn defaults() -> serde_json::Value {

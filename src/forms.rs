@@ -142,6 +142,56 @@ pub mod list {
     }
 }
 
+/// A positive count, or `"auto"` for one derived from the machine at start (the component that
+/// reads it says how). Written back as the number or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// Derived at start.
+    Auto,
+    /// This many.
+    Fixed(usize),
+}
+
+impl Count {
+    /// The fixed count, or what `auto` gives.
+    pub fn or_else(self, auto: impl FnOnce() -> usize) -> usize {
+        match self {
+            Count::Fixed(count) => count,
+            Count::Auto => auto(),
+        }
+    }
+}
+
+impl serde::Serialize for Count {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Count::Auto => serializer.serialize_str("auto"),
+            Count::Fixed(count) => serializer.serialize_u64(*count as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            Number(u64),
+            Text(String),
+        }
+        let expected = "expected a positive integer or \"auto\"";
+        match Form::deserialize(deserializer)? {
+            Form::Number(0) => Err(D::Error::custom(format!("{expected}, found 0"))),
+            Form::Number(count) => Ok(Count::Fixed(count as usize)),
+            Form::Text(text) if text.trim().eq_ignore_ascii_case("auto") => Ok(Count::Auto),
+            Form::Text(text) => match text.trim().parse::<usize>() {
+                Ok(count) if count > 0 => Ok(Count::Fixed(count)),
+                _ => Err(D::Error::custom(format!("{expected}, found {text:?}"))),
+            },
+        }
+    }
+}
+
 /// Optional text that may look like a number (an environment value such as `123` reads as one).
 pub mod text {
     use super::*;

@@ -64,7 +64,9 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(settings.config.log_format);
-    let mut builder = match settings.config.worker_threads {
+    let open_files = config::raise_open_file_limit();
+    tracing::debug!(?open_files, "open-file limit");
+    let mut builder = match settings.worker_threads() {
         1 => tokio::runtime::Builder::new_current_thread(),
         threads => {
             let mut builder = tokio::runtime::Builder::new_multi_thread();

@@ -295,7 +295,7 @@ impl Router {
             graceful: GracefulShutdown::new(),
             draining: watch::channel(false).0,
             open,
-            slots: Arc::new(Semaphore::new(config.max_connections)),
+            slots: Arc::new(Semaphore::new(settings.max_connections())),
             shared: Arc::clone(&shared),
         };
         let state_log = tokio::spawn(log_state_periodically(

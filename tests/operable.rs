@@ -298,7 +298,7 @@ async fn a_reload_applies_a_changed_upstream_section_and_names_start_only_keys()
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
 
     // Keys read only at start are named by their dotted keys, a section by its name.
-    config.max_connections = 7;
+    config.max_connections = custom_router::forms::Count::Fixed(7);
     config.retry.budget.percent = 5.0;
     config.shutdown.timeout = Duration::from_secs(3);
     config.queue.timeout = Duration::from_secs(9);

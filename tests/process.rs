@@ -46,6 +46,20 @@ fn defaults_then_file_then_environment() {
     assert_eq!(config["latency"]["ewma_alpha"], 0.3);
     assert_eq!(config["state_log_interval"], 30.0);
     assert_eq!(config["strategy"]["name"], "queued-least-latency");
+    assert_eq!(config["max_connections"], "auto");
+    assert_eq!(config["worker_threads"], 1);
+    // A count or `auto`, from the environment as from the file.
+    let (code, out, err) = check_config(
+        &[],
+        &[
+            ("CUSTOM_ROUTER_WORKER_THREADS", "auto"),
+            ("CUSTOM_ROUTER_MAX_CONNECTIONS", "300"),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let config: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(config["worker_threads"], "auto");
+    assert_eq!(config["max_connections"], 300);
 
     let file = config_file(
         "layers.toml",
@@ -226,6 +240,22 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
                 "key `queue.timeout` in",
                 "negative.toml",
                 "expected a positive number of seconds, found -1",
+            ],
+        ),
+        (
+            vec![],
+            vec![("CUSTOM_ROUTER_WORKER_THREADS", "many")],
+            vec![
+                "CUSTOM_ROUTER_WORKER_THREADS",
+                "expected a positive integer or \"auto\", found \"many\"",
+            ],
+        ),
+        (
+            vec![],
+            vec![("CUSTOM_ROUTER_MAX_CONNECTIONS", "0")],
+            vec![
+                "CUSTOM_ROUTER_MAX_CONNECTIONS",
+                "expected a positive integer or \"auto\", found 0",
             ],
         ),
         (

@@ -335,7 +335,7 @@ async fn a_slow_header_client_loses_its_slot_at_the_header_timeout() {
     let backend = named_backend("served").await;
     let mut config = with_strategy("round-robin");
     config.limits.header_read_timeout = Duration::from_secs(1);
-    config.max_connections = 2;
+    config.max_connections = custom_router::forms::Count::Fixed(2);
     let router = start_router(config).await;
     set_backends(router.addr, &[backend.host_port()]).await;
     // Two clients take both connection slots and send their headers a byte at a time.
@@ -382,7 +382,7 @@ async fn a_silent_connection_loses_its_slot_at_the_header_timeout() {
     let backend = named_backend("served").await;
     let mut config = with_strategy("round-robin");
     config.limits.header_read_timeout = Duration::from_millis(500);
-    config.max_connections = 1;
+    config.max_connections = custom_router::forms::Count::Fixed(1);
     let router = start_router(config).await;
     set_backends(router.addr, &[backend.host_port()]).await;
     let mut silent = TcpStream::connect(router.addr).await.unwrap();

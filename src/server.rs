@@ -178,6 +178,30 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
+/// Serves an HTTP/2 (h2c) connection with hyper until it ends or the router has drained it.
+async fn serve_h2(
+    builder: &auto::Builder<TokioExecutor>,
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    client: Arc<ForwardedFor>,
+    watcher: hyper_util::server::graceful::Watcher,
+    peer: SocketAddr,
+) {
+    let service = service_fn(move |request| {
+        let shared = Arc::clone(&shared);
+        let client = Arc::clone(&client);
+        async move {
+            let mut answer = route(&shared, request.map(ClientBody::Right), None, &client).await;
+            fields_into_map(&mut answer);
+            Ok::<_, Infallible>(answer)
+        }
+    });
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    if let Err(error) = watcher.watch(connection.into_owned()).await {
+        tracing::debug!(%peer, error = %error, "connection ended with an error");
+    }
+}
+
 /// A bound router, ready to serve.
 pub struct Router {
     shared: Arc<Shared>,
@@ -291,7 +315,7 @@ impl Router {
         let (open, mut all_closed) = mpsc::channel::<()>(1);
         let acceptor = Acceptor {
             listener,
-            builder,
+            builder: Arc::new(builder),
             graceful: GracefulShutdown::new(),
             draining: watch::channel(false).0,
             open,
@@ -361,7 +385,7 @@ struct Acceptor {
     /// connection's first byte.
     listener: TcpListener,
     /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
-    builder: auto::Builder<TokioExecutor>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
     /// Tells HTTP/1 connections the router drains.
     draining: watch::Sender<bool>,
     /// Held by each HTTP/1 connection until it ends.
@@ -399,7 +423,7 @@ impl Acceptor {
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&self.shared);
         let client = Arc::new(ForwardedFor::new(peer));
-        let builder = self.builder.clone();
+        let builder = Arc::clone(&self.builder);
         let limits = **self.shared.limits.load();
         let draining = self.draining.subscribe();
         let open = self.open.clone();
@@ -421,20 +445,9 @@ impl Acceptor {
                 return;
             }
             drop(open);
-            let service = service_fn(move |request| {
-                let shared = Arc::clone(&shared);
-                let client = Arc::clone(&client);
-                async move {
-                    let mut answer =
-                        route(&shared, request.map(ClientBody::Right), None, &client).await;
-                    fields_into_map(&mut answer);
-                    Ok::<_, Infallible>(answer)
-                }
-            });
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            if let Err(error) = watcher.watch(connection.into_owned()).await {
-                tracing::debug!(%peer, error = %error, "connection ended with an error");
-            }
+            // Boxed: an HTTP/2 connection's state is large, and the task of every HTTP/1
+            // connection would be as large if it were kept inline.
+            Box::pin(serve_h2(&builder, stream, shared, client, watcher, peer)).await;
             drop(slot);
         });
     }

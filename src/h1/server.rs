@@ -32,7 +32,7 @@
 use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -380,8 +380,14 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
                 (RequestBody::Streaming(stream), None)
             }
         };
-        let answer = pin!(handler.call(request.map(|()| body), fields));
-        let Some(answer) = answer_unless_gone(answer, &mut held, slot.as_deref()).await else {
+        // The handler's future is boxed: it is done once the answer's head is here, and a
+        // stream then holds only the response writer's state in the connection's task, not
+        // the larger state of the handler (one allocation a request, freed at the answer).
+        let answer = {
+            let mut answer = Box::pin(handler.call(request.map(|()| body), fields));
+            answer_unless_gone(answer.as_mut(), &mut held, slot.as_deref()).await
+        };
+        let Some(answer) = answer else {
             // The client left: dropping the handler's future withdrew the request.
             return;
         };

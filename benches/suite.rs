@@ -22,7 +22,7 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(name = "suite")]
 struct Args {
-    /// Short durations (under 2 minutes).
+    /// Short durations (the LLM scenarios 4 times faster, with fewer users).
     #[arg(long)]
     quick: bool,
     /// Tiny durations (what the smoke test runs).

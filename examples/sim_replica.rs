@@ -6,6 +6,15 @@
 //! curl -sN localhost:8001/generate -d '{"max_tokens": 8, "stream": true}'
 //! ```
 //!
+//! An engine at LLM scale (256 sequences, KV cache, prefix cache, chunked prefill):
+//!
+//! ```sh
+//! cargo run --release --example sim_replica -- --port 8001 --slots 256 --step-ms 20 \
+//!     --step-per-batch-ms 0.1 --prefill-ms 0 --prefill-per-token-ms 0.05 \
+//!     --kv-capacity-tokens 300000 --prefix-cache-tokens 100000 --token-budget 2048
+//! curl -s localhost:8001/metrics
+//! ```
+//!
 //! The timing model and the fault modes are described in `docs/benchmarks.md`. It listens on
 //! 127.0.0.1 only and runs until Ctrl-C (or until `--exit-after`).
 
@@ -44,6 +53,23 @@ struct Args {
     /// Tokens generated when the request names none.
     #[arg(long, default_value_t = 64)]
     default_max_tokens: u32,
+    /// Prefill in ms per prompt token not in the prefix cache, at speed 1.
+    #[arg(long, default_value_t = 0.0)]
+    prefill_per_token_ms: f64,
+    /// KV cache tokens running requests may reserve together (prompt + max_tokens each); more
+    /// wait. Unset: no limit but the slots.
+    #[arg(long)]
+    kv_capacity_tokens: Option<u64>,
+    /// Tokens the prefix cache holds (0: none).
+    #[arg(long, default_value_t = 0)]
+    prefix_cache_tokens: u64,
+    /// Tokens per prefix-cache block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// Stepped batching with chunked prefill: tokens per engine step (decodes plus prompt
+    /// chunks). Unset: each request times its own steps.
+    #[arg(long)]
+    token_budget: Option<u32>,
     /// Seed of the fault draws.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -88,6 +114,16 @@ impl Args {
             step_ms: self.step_ms,
             step_per_batch_ms: self.step_per_batch_ms,
             default_max_tokens: self.default_max_tokens,
+            prefill_per_token_ms: self.prefill_per_token_ms,
+            kv_capacity_tokens: self.kv_capacity_tokens,
+            prefix_cache_tokens: self.prefix_cache_tokens,
+            block_tokens: self.block_tokens.max(1),
+            batching: match self.token_budget {
+                Some(token_budget) => sim::Batching::Stepped {
+                    token_budget: token_budget.max(1),
+                },
+                None => sim::Batching::PerRequest,
+            },
             seed: self.seed,
             faults: sim::Faults {
                 fail_fraction: self.fail_fraction,
@@ -105,7 +141,17 @@ impl Args {
 #[tokio::main]
 async fn main() {
     let config = Args::parse().into_config();
-    let capacity = config.capacity(f64::from(config.default_max_tokens));
+    let model = match config.batching {
+        sim::Batching::PerRequest if config.prefill_per_token_ms == 0.0 => format!(
+            "about {:.1} req/s of {} tokens with every slot busy",
+            config.capacity(f64::from(config.default_max_tokens)),
+            config.default_max_tokens
+        ),
+        sim::Batching::PerRequest => "per-request batching".to_owned(),
+        sim::Batching::Stepped { token_budget } => {
+            format!("stepped batching, {token_budget} tokens per step")
+        }
+    };
     let replica = match sim::spawn(config.clone()).await {
         Ok(replica) => replica,
         Err(error) => {
@@ -117,8 +163,8 @@ async fn main() {
         }
     };
     println!(
-        "sim_replica {} listening on http://{} (speed {}, {} slots; about {capacity:.1} req/s of {} tokens with every slot busy)",
-        replica.name, replica.addr, config.speed, config.slots, config.default_max_tokens
+        "sim_replica {} listening on http://{} (speed {}, {} slots; {model})",
+        replica.name, replica.addr, config.speed, config.slots
     );
     tokio::select! {
         _ = tokio::signal::ctrl_c() => replica.stop(),

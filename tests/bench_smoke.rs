@@ -50,6 +50,14 @@ async fn the_smoke_suite_reports_every_scenario_and_strategy() {
         }
         // Run with a configuration file of strategy parameters.
         check_peer_numbers(reported, lab::REFERENCE_RULES);
+        if let lab::scenarios::Kind::Routing(routing) = &scenario.kind {
+            assert!(reported.slo.is_some(), "{}", scenario.name);
+            if routing.engine.prefix_cache_tokens > 0 {
+                for entry in REGISTRY {
+                    check_engine_numbers(reported, entry.name);
+                }
+            }
+        }
     }
 
     let markdown = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
@@ -100,7 +108,10 @@ fn check_peer_numbers(scenario: &ScenarioReport, strategy: &str) {
             "latency_p99_s",
             "ttfb_p50_s",
             "goodput_rps",
+            "slo_goodput_rps",
+            "slo_pct",
             "error_pct",
+            "refused_pct",
         ]
     } else {
         &[
@@ -137,6 +148,24 @@ fn check_peer_numbers(scenario: &ScenarioReport, strategy: &str) {
     }
 }
 
+/// An LLM scenario's peer has the numbers read from its replicas.
+fn check_engine_numbers(scenario: &ScenarioReport, strategy: &str) {
+    let peer = scenario.peers.iter().find(|p| p.peer == strategy).unwrap();
+    for key in [
+        "prefix_hit_pct",
+        "engine_running_mean",
+        "engine_waiting_mean",
+        "kv_usage_mean_pct",
+    ] {
+        let value = peer.median.get(key).copied();
+        assert!(
+            value.is_some_and(|v| v.is_finite() && v >= 0.0),
+            "{}: {strategy}: {key} = {value:?}",
+            scenario.name
+        );
+    }
+}
+
 async fn one_request(
     replica: &sim::SimHandle,
     max_tokens: u32,
@@ -144,8 +173,8 @@ async fn one_request(
     limit: Duration,
 ) -> Record {
     let client = load::http_client();
-    let body = load::request_body(max_tokens, stream);
-    load::send(&client, replica.addr, body, 0.0, limit).await
+    let request = load::Outgoing::generate(max_tokens, stream);
+    load::send(&client, replica.addr, &request, 0.0, limit).await
 }
 
 fn fast_config(faults: Faults) -> SimConfig {
@@ -216,7 +245,7 @@ async fn a_full_replica_queue_answers_429_with_retry_after() {
             load::send(
                 &client,
                 addr,
-                load::request_body(tokens, false),
+                &load::Outgoing::generate(tokens, false),
                 0.0,
                 Duration::from_secs(10),
             )
@@ -327,4 +356,331 @@ fn a_strategy_spec_carries_its_parameters_into_the_config_file() {
         .expect_err("unknown strategy")
         .to_string();
     assert!(error.contains("no-such"), "{error}");
+}
+
+// --- The simulator's LLM physics: prompts, prefix cache, KV capacity, chunked prefill. ---
+
+/// An engine with a per-token prefill cost, a prefix cache of 10,000 tokens and 1 ms steps.
+fn engine_config(batching: sim::Batching) -> SimConfig {
+    SimConfig {
+        name: "engine".to_owned(),
+        slots: 8,
+        prefill_ms: 0.0,
+        step_ms: 1.0,
+        step_per_batch_ms: 0.0,
+        prefill_per_token_ms: 0.1,
+        prefix_cache_tokens: 10_000,
+        batching,
+        ..SimConfig::default()
+    }
+}
+
+/// A streamed OpenAI completion of `prompt`.
+fn completion(prompt: &str, max_tokens: u32) -> load::Outgoing {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true});
+    load::Outgoing {
+        path: "/v1/completions".to_owned(),
+        body: body.to_string().into(),
+        headers: Vec::new(),
+        max_tokens,
+        stream: true,
+        prompt_tokens: sim::prompt::Prompt::of_body(&body).tokens(),
+    }
+}
+
+async fn send_to(replica: &sim::SimHandle, request: &load::Outgoing) -> Record {
+    let client = load::http_client();
+    load::send(&client, replica.addr, request, 0.0, Duration::from_secs(20)).await
+}
+
+async fn scrape(replica: &sim::SimHandle) -> String {
+    use http_body_util::BodyExt;
+    let request = http::Request::get(format!("http://{}/metrics", replica.addr))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let response = load::http_client().request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
+/// The value of `name` (any labels) in a Prometheus text `page`.
+fn sample(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find(|line| line.split(['{', ' ']).next() == Some(name))
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in\n{page}"))
+}
+
+#[tokio::test]
+async fn a_replica_prefills_uncached_prompt_tokens_and_skips_its_cached_prefix() {
+    for batching in [
+        sim::Batching::PerRequest,
+        sim::Batching::Stepped { token_budget: 256 },
+    ] {
+        let replica = sim::spawn(engine_config(batching)).await.unwrap();
+        // 2,000 tokens: 200 ms of prefill at 0.1 ms a token.
+        let prompt = "abcd".repeat(2_000);
+        let first = send_to(&replica, &completion(&prompt, 4)).await;
+        let second = send_to(&replica, &completion(&prompt, 4)).await;
+        assert!(
+            first.is_success() && second.is_success(),
+            "{first:?} {second:?}"
+        );
+        assert!(first.ttfb >= 0.2, "{batching:?}: {first:?}");
+        assert!(second.ttfb < 0.1, "{batching:?}: {second:?}");
+        let page = scrape(&replica).await;
+        assert_eq!(sample(&page, "vllm:prefix_cache_queries_total"), 4_000.0);
+        // Every block but the last token, which is computed to yield the first output token.
+        assert_eq!(sample(&page, "vllm:prefix_cache_hits_total"), 1_999.0);
+        assert_eq!(sample(&page, "vllm:generation_tokens_total"), 8.0);
+        assert_eq!(replica.stats.prefix_hit_ratio(), Some(1_999.0 / 4_000.0));
+    }
+}
+
+#[tokio::test]
+async fn a_long_prefill_slows_the_decode_steps_of_its_replica() {
+    let config = SimConfig {
+        prefill_per_token_ms: 0.05,
+        step_ms: 2.0,
+        prefix_cache_tokens: 0,
+        ..engine_config(sim::Batching::Stepped { token_budget: 512 })
+    };
+    let replica = sim::spawn(config).await.unwrap();
+    let stream = completion("hello", 200);
+    let alone = send_to(&replica, &stream).await;
+    // The same stream while a 20,000-token prompt is prefilled in 40 chunks of about 27 ms.
+    let beside = tokio::spawn({
+        let client = load::http_client();
+        let (addr, stream) = (replica.addr, stream.clone());
+        async move { load::send(&client, addr, &stream, 0.0, Duration::from_secs(20)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let long = send_to(&replica, &completion(&"w".repeat(80_000), 1)).await;
+    let beside = beside.await.unwrap();
+    assert!(alone.is_success() && beside.is_success() && long.is_success());
+    assert!(long.ttfb >= 1.0, "{long:?}");
+    assert!(
+        beside.latency > alone.latency + 0.5,
+        "alone {alone:?}, beside a long prefill {beside:?}"
+    );
+}
+
+#[tokio::test]
+async fn requests_wait_inside_a_replica_whose_kv_cache_is_full() {
+    let config = SimConfig {
+        kv_capacity_tokens: Some(1_000),
+        ..engine_config(sim::Batching::Stepped { token_budget: 256 })
+    };
+    let replica = sim::spawn(config).await.unwrap();
+    // 1 + 900 tokens reserved for about 0.9 s: the next 1 + 200 do not fit.
+    let holder = tokio::spawn({
+        let (client, addr) = (load::http_client(), replica.addr);
+        async move {
+            let request = completion("", 900);
+            load::send(&client, addr, &request, 0.0, Duration::from_secs(20)).await
+        }
+    });
+    wait_until(|| {
+        replica
+            .stats
+            .decoding
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1
+    })
+    .await;
+    let waiter = tokio::spawn({
+        let (client, addr) = (load::http_client(), replica.addr);
+        async move {
+            let request = completion("", 200);
+            load::send(&client, addr, &request, 0.0, Duration::from_secs(20)).await
+        }
+    });
+    wait_until(|| {
+        replica
+            .stats
+            .waiting
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1
+    })
+    .await;
+    let page = scrape(&replica).await;
+    assert_eq!(sample(&page, "vllm:num_requests_running"), 1.0);
+    assert_eq!(sample(&page, "vllm:num_requests_waiting"), 1.0);
+    assert_eq!(sample(&page, "tgi_queue_size"), 1.0);
+    assert_eq!(sample(&page, "vllm:kv_cache_usage_perc"), 0.901);
+    // A request that could never fit is refused at once.
+    let too_big = send_to(&replica, &completion("", 1_000)).await;
+    assert_eq!(too_big.status, 400, "{too_big:?}");
+    let (holder, waiter) = (holder.await.unwrap(), waiter.await.unwrap());
+    assert!(holder.is_success() && waiter.is_success());
+    // The waiter's first token came after the holder had finished.
+    assert!(
+        waiter.ttfb >= holder.latency - 0.05,
+        "{holder:?} {waiter:?}"
+    );
+    assert_eq!(
+        sample(&scrape(&replica).await, "vllm:kv_cache_usage_perc"),
+        0.0
+    );
+}
+
+#[test]
+fn chat_openai_and_tgi_prompts_are_read() {
+    use lab::sim::prompt::Prompt;
+    use serde_json::json;
+    let chat = json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
+    assert_eq!(
+        Prompt::of_body(&chat).text,
+        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    );
+    assert_eq!(Prompt::of_body(&json!({"prompt": "abcde"})).tokens(), 2);
+    assert_eq!(Prompt::of_body(&json!({"inputs": "abcd"})).tokens(), 1);
+    assert_eq!(Prompt::of_body(&json!({"max_tokens": 3})).tokens(), 0);
+}
+
+#[test]
+fn a_shared_prefix_shares_its_full_blocks() {
+    use lab::sim::prompt::block_hashes;
+    let a = "x".repeat(100) + "the one tail....";
+    let b = "x".repeat(100) + "the other tail..";
+    let (a, b) = (block_hashes(a.as_bytes(), 4), block_hashes(b.as_bytes(), 4));
+    // Blocks of 16 bytes: 6 full blocks of x, the 7th holds the tails.
+    assert_eq!(a[..6], b[..6]);
+    assert_ne!(a[6], b[6]);
+    // The same bytes after a different prefix hash differently.
+    let c = block_hashes(("y".repeat(16) + &"x".repeat(16)).as_bytes(), 4);
+    assert_ne!(c[1], a[1]);
+}
+
+#[test]
+fn an_answer_sent_back_in_the_next_turn_matches_the_cached_blocks() {
+    use lab::sim::prompt::{Prompt, answer_text, block_hashes};
+    use serde_json::json;
+    let first = json!({"messages": [{"role": "user", "content": "q".repeat(50)}]});
+    let prompt = Prompt::of_body(&first);
+    let computed = prompt.chain_with_answer(&prompt.block_hashes(4), 40, 4);
+    let whole = block_hashes((prompt.text.clone() + &answer_text(40)).as_bytes(), 4);
+    assert_eq!(computed, whole);
+    let next = json!({"messages": [
+        {"role": "user", "content": "q".repeat(50)},
+        {"role": "assistant", "content": answer_text(40)},
+        {"role": "user", "content": "more"},
+    ]});
+    let sent = Prompt::of_body(&next).block_hashes(4);
+    assert!(sent.len() > computed.len());
+    assert_eq!(sent[..computed.len()], computed[..]);
+}
+
+#[test]
+fn the_prefix_cache_counts_leading_blocks_and_evicts_the_least_recently_used() {
+    use lab::sim::prefix_cache::PrefixCache;
+    let mut cache = PrefixCache::new(160, 16);
+    cache.insert(&[1, 2, 3]);
+    assert_eq!(cache.lookup(&[1, 2, 3, 4]), 3);
+    assert_eq!(cache.lookup(&[1, 9, 3]), 1);
+    assert_eq!(cache.lookup(&[9, 2, 3]), 0);
+    assert!(!PrefixCache::new(15, 16).is_enabled());
+
+    // Room for 4 blocks.
+    let mut cache = PrefixCache::new(64, 16);
+    cache.insert(&[1, 2, 3]);
+    cache.insert(&[10, 11]);
+    // 5 blocks: the oldest tail (3) goes.
+    assert_eq!(cache.len(), 4);
+    assert_eq!(cache.lookup(&[1, 2, 3]), 2);
+    // Using [1, 2] made [10, 11] the oldest: its tail (11) goes.
+    cache.insert(&[1, 2, 4]);
+    assert_eq!(cache.lookup(&[10, 11]), 1);
+    // That lookup made 10 recent: the next eviction takes the tail of [1, 2, 4].
+    cache.insert(&[20]);
+    assert_eq!(cache.lookup(&[10]), 1);
+    assert_eq!(cache.lookup(&[1, 2, 4]), 2);
+}
+
+mod workloads {
+    use super::lab::load::{Lengths, Outgoing, User};
+    use super::lab::sim::prompt::answer_text;
+    use super::lab::workload::{Chat, Documents, SESSION_HEADER, Scale, Workload};
+    use serde_json::Value;
+
+    fn chat(session_header: bool) -> Chat {
+        Chat {
+            tenants: 2,
+            users_per_tenant: 2,
+            shared_preamble_tokens: 100,
+            tenant_prompt_tokens: (200, 300),
+            turns: (3, 3),
+            question_tokens: Lengths::Fixed(20),
+            answer_tokens: Lengths::Fixed(30),
+            think_seconds: (1.0, 2.0),
+            start_within: 10.0,
+            session_header,
+        }
+    }
+
+    fn body(request: &Outgoing) -> Value {
+        serde_json::from_slice(&request.body).unwrap()
+    }
+
+    #[test]
+    fn each_turn_resends_the_history_and_tenants_share_the_preamble() {
+        let users = Workload::Chat(chat(false)).users(7, Scale::FULL);
+        assert_eq!(users.len(), 4);
+        let turns = &users[0].turns;
+        assert_eq!(turns.len(), 3);
+        let (first, second) = (body(&turns[0].request), body(&turns[1].request));
+        let first_messages = first["messages"].as_array().unwrap();
+        let second_messages = second["messages"].as_array().unwrap();
+        assert_eq!(second_messages[..first_messages.len()], first_messages[..]);
+        assert_eq!(second_messages[2]["content"], answer_text(30));
+        assert!(turns[1].request.prompt_tokens > turns[0].request.prompt_tokens + 50);
+        assert!(turns[0].request.headers.is_empty());
+        // Same tenant: same system prompt; another tenant: the same preamble only.
+        let system = |user: &User| body(&user.turns[0].request)["messages"][0]["content"].clone();
+        assert_eq!(system(&users[0]), system(&users[1]));
+        let (a, c) = (system(&users[0]), system(&users[2]));
+        let (a, c) = (a.as_str().unwrap(), c.as_str().unwrap());
+        assert_ne!(a, c);
+        assert_eq!(a[..400], c[..400]);
+        // The same seed draws the same requests.
+        let again = Workload::Chat(chat(false)).users(7, Scale::FULL);
+        assert_eq!(
+            again[3].turns[2].request.body,
+            users[3].turns[2].request.body
+        );
+    }
+
+    #[test]
+    fn sessions_are_named_when_asked() {
+        let users = Workload::Chat(chat(true)).users(1, Scale::FULL);
+        let (name, value) = &users[3].turns[0].request.headers[0];
+        assert_eq!(
+            (name.as_str(), value.to_str().unwrap()),
+            (SESSION_HEADER, "t1-u1")
+        );
+    }
+
+    #[test]
+    fn documents_mix_short_and_long_prompts() {
+        let documents = Documents {
+            rate: 50.0,
+            duration: 10.0,
+            long_fraction: 0.3,
+            long_prompt_tokens: (2_000, 32_000),
+            short_prompt_tokens: (100, 500),
+            answer_tokens: Lengths::Fixed(10),
+        };
+        let users = Workload::Documents(documents).users(3, Scale::FULL);
+        assert!((400..600).contains(&users.len()), "{}", users.len());
+        let prompts: Vec<u64> = users
+            .iter()
+            .map(|u| u.turns[0].request.prompt_tokens)
+            .collect();
+        let long = prompts.iter().filter(|&&p| p >= 2_000).count() as f64;
+        assert!((0.2..0.4).contains(&(long / prompts.len() as f64)));
+        assert!(prompts.iter().all(|&p| (100..=32_010).contains(&p)));
+        assert!(prompts.iter().any(|&p| p > 16_000));
+    }
 }

@@ -8,8 +8,14 @@
 //! Closed loop: `concurrency` workers each send a request as soon as their previous one finished;
 //! this measures the most a proxy can carry (the overhead scenario).
 //!
-//! Every request is a `POST /generate` with a TGI-style JSON body
-//! (`{"inputs": ..., "parameters": {"max_new_tokens": N}, "stream": bool}`).
+//! Users: each user starts at a planned offset and sends its turns one after the other, each
+//! after the previous answer ended plus a planned think time (a chat user waits for the answer
+//! before writing again). What every turn sends is drawn up front (see `workload.rs`), so every
+//! peer receives the same requests; only their timing follows the answers.
+//!
+//! Open and closed loop requests are `POST /generate` with a TGI-style JSON body
+//! (`{"inputs": ..., "parameters": {"max_new_tokens": N}, "stream": bool}`); users' turns carry
+//! their own path, body and headers.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -47,8 +53,13 @@ pub enum Lengths {
     Fixed(u32),
     /// Uniform in `min..=max`.
     Uniform { min: u32, max: u32 },
-    /// Log-normal (heavy-tailed) with the given median and shape, clamped to `1..=max`.
-    LogNormal { median: f64, sigma: f64, max: u32 },
+    /// Log-normal (heavy-tailed) with the given median and shape, clamped to `min.max(1)..=max`.
+    LogNormal {
+        median: f64,
+        sigma: f64,
+        min: u32,
+        max: u32,
+    },
 }
 
 impl Lengths {
@@ -57,9 +68,14 @@ impl Lengths {
         match *self {
             Lengths::Fixed(n) => n,
             Lengths::Uniform { min, max } => rng.u32(min..=max),
-            Lengths::LogNormal { median, sigma, max } => {
+            Lengths::LogNormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => {
                 let draw = median * (sigma * standard_normal(rng)).exp();
-                (draw.round() as u32).clamp(1, max)
+                (draw.round() as u32).clamp(min.max(1), max.max(min.max(1)))
             }
         }
     }
@@ -77,9 +93,17 @@ impl Lengths {
         match *self {
             Lengths::Fixed(n) => format!("{n} tokens"),
             Lengths::Uniform { min, max } => format!("uniform {min}..={max} tokens"),
-            Lengths::LogNormal { median, sigma, max } => {
-                format!("log-normal tokens (median {median}, σ {sigma}, at most {max})")
+            Lengths::LogNormal {
+                median,
+                sigma,
+                min,
+                max,
+            } if min > 1 => {
+                format!("log-normal tokens (median {median}, σ {sigma}, {min} to {max})")
             }
+            Lengths::LogNormal {
+                median, sigma, max, ..
+            } => format!("log-normal tokens (median {median}, σ {sigma}, at most {max})"),
         }
     }
 }
@@ -150,6 +174,40 @@ fn draw_request(load: &OpenLoop, rng: &mut fastrand::Rng, at: Duration) -> Plann
     }
 }
 
+/// A request to send: where, what, and what it asks for (kept in its record).
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// Path and query.
+    pub path: String,
+    /// The JSON body.
+    pub body: Bytes,
+    /// Extra header fields.
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// Tokens asked for.
+    pub max_tokens: u32,
+    /// Whether it asks for a stream.
+    pub stream: bool,
+    /// Prompt tokens, as the simulated replica counts them.
+    pub prompt_tokens: u64,
+}
+
+impl Outgoing {
+    /// `POST /generate` with the TGI body of [`request_body`].
+    pub fn generate(max_tokens: u32, stream: bool) -> Self {
+        Self {
+            path: "/generate".to_owned(),
+            body: request_body(max_tokens, stream),
+            headers: Vec::new(),
+            max_tokens,
+            stream,
+            prompt_tokens: GENERATE_PROMPT_TOKENS,
+        }
+    }
+}
+
+/// The prompt tokens of [`request_body`] (its 29 characters).
+const GENERATE_PROMPT_TOKENS: u64 = 8;
+
 /// What happened to one request.
 #[derive(Debug, Clone)]
 pub struct Record {
@@ -167,6 +225,12 @@ pub struct Record {
     pub replica: Option<String>,
     /// Why no complete answer arrived: `connect`, `body`, `timeout`.
     pub error: Option<&'static str>,
+    /// Tokens asked for.
+    pub max_tokens: u32,
+    /// Whether it asked for a stream.
+    pub stream: bool,
+    /// Prompt tokens sent.
+    pub prompt_tokens: u64,
 }
 
 impl Record {
@@ -220,9 +284,9 @@ pub async fn run_open_loop(
         let client = client.clone();
         let progress = progress.clone();
         tasks.spawn(async move {
-            let body = request_body(planned.max_tokens, planned.stream);
+            let request = Outgoing::generate(planned.max_tokens, planned.stream);
             let sent_at = start.elapsed().as_secs_f64();
-            let record = send(&client, target, body, sent_at, request_timeout).await;
+            let record = send(&client, target, &request, sent_at, request_timeout).await;
             if let Some(progress) = progress {
                 progress.count(&record);
             }
@@ -264,10 +328,10 @@ pub async fn run_closed_loop(target: SocketAddr, load: &ClosedLoop) -> Vec<Recor
         let load = load.clone();
         workers.spawn(async move {
             let mut records = Vec::new();
+            let request = Outgoing::generate(load.max_tokens, false);
             while Instant::now() < deadline && records.len() < load.max_requests_per_worker {
-                let body = request_body(load.max_tokens, false);
                 let sent_at = start.elapsed().as_secs_f64();
-                records.push(send(&client, target, body, sent_at, load.request_timeout).await);
+                records.push(send(&client, target, &request, sent_at, load.request_timeout).await);
             }
             records
         });
@@ -288,11 +352,69 @@ pub fn request_body(max_tokens: u32, stream: bool) -> Bytes {
     ))
 }
 
+/// One user of a users load: when it starts and its turns, in order.
+#[derive(Debug, Clone)]
+pub struct User {
+    /// Offset of its first request from the start of the run.
+    pub start: Duration,
+    /// Its requests.
+    pub turns: Vec<Turn>,
+}
+
+/// One request of a user.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// Time between the end of the previous answer and this request (ignored for the first).
+    pub think: Duration,
+    /// What it sends.
+    pub request: Outgoing,
+}
+
+/// Runs every user against `target` and returns the records of all turns, user by user in turn
+/// order. Each request is bounded by `request_timeout`; a user whose request failed goes on
+/// with its next turn.
+pub async fn run_users(
+    target: SocketAddr,
+    users: Vec<User>,
+    request_timeout: Duration,
+) -> Vec<Record> {
+    let client = http_client();
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+    for (index, user) in users.into_iter().enumerate() {
+        let client = client.clone();
+        tasks.spawn(async move {
+            tokio::time::sleep_until(start + user.start).await;
+            let mut records = Vec::with_capacity(user.turns.len());
+            for (turn_index, turn) in user.turns.iter().enumerate() {
+                if turn_index > 0 {
+                    tokio::time::sleep(turn.think).await;
+                }
+                let sent_at = start.elapsed().as_secs_f64();
+                let request = &turn.request;
+                records.push(send(&client, target, request, sent_at, request_timeout).await);
+            }
+            (index, records)
+        });
+    }
+    let mut by_user = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok(done) = joined {
+            by_user.push(done);
+        }
+    }
+    by_user.sort_by_key(|(index, _)| *index);
+    by_user
+        .into_iter()
+        .flat_map(|(_, records)| records)
+        .collect()
+}
+
 /// Sends one request and records what happened, within `limit`.
 pub async fn send(
     client: &HttpClient,
     target: SocketAddr,
-    body: Bytes,
+    request: &Outgoing,
     sent_at: f64,
     limit: Duration,
 ) -> Record {
@@ -305,8 +427,11 @@ pub async fn send(
         complete: false,
         replica: None,
         error: None,
+        max_tokens: request.max_tokens,
+        stream: request.stream,
+        prompt_tokens: request.prompt_tokens,
     };
-    let exchange = exchange(client, target, body, started, &mut record);
+    let exchange = exchange(client, target, request, started, &mut record);
     if tokio::time::timeout(limit, exchange).await.is_err() {
         record.error = Some("timeout");
     }
@@ -320,14 +445,17 @@ pub async fn send(
 async fn exchange(
     client: &HttpClient,
     target: SocketAddr,
-    body: Bytes,
+    outgoing: &Outgoing,
     started: Instant,
     record: &mut Record,
 ) {
-    let request = Request::post(format!("http://{target}/generate"))
+    let mut request = Request::post(format!("http://{target}{}", outgoing.path))
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
+        .body(Full::new(outgoing.body.clone()))
         .expect("a valid request");
+    for (name, value) in &outgoing.headers {
+        request.headers_mut().append(name.clone(), value.clone());
+    }
     let response = match client.request(request).await {
         Ok(response) => response,
         Err(_) => {

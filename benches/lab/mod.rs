@@ -2,7 +2,8 @@
 //! registered strategy (and nginx when it is installed), and reports in markdown, JSON and SVG.
 //!
 //! - [`sim`]: the simulated replica (also `examples/sim_replica.rs`).
-//! - [`load`]: open-loop Poisson and closed-loop load, one record per request.
+//! - [`load`]: open-loop Poisson, closed-loop and users load, one record per request.
+//! - [`workload`]: LLM chat workloads (tenants' multi-turn users, long documents).
 //! - [`scenarios`]: what each scenario sets up and how it is run against a peer.
 //! - [`peer`], [`router`], [`nginx`]: the router binary and nginx as child processes.
 //! - [`report`]: numbers, tables, JSON and CDF plots.
@@ -18,6 +19,7 @@ pub mod report;
 pub mod router;
 pub mod scenarios;
 pub mod sim;
+pub mod workload;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -87,6 +89,25 @@ impl Mode {
         }
     }
 
+    /// How much faster than real time the LLM scenarios run (their replicas are that much
+    /// faster, their users' times that much shorter).
+    pub fn time_compression(self) -> f64 {
+        match self {
+            Mode::Default => 1.0,
+            Mode::Quick => 4.0,
+            Mode::Smoke => 50.0,
+        }
+    }
+
+    /// The fraction of the LLM scenarios' users that take part (at least one per tenant).
+    pub fn user_fraction(self) -> f64 {
+        match self {
+            Mode::Default => 1.0,
+            Mode::Quick => 0.12,
+            Mode::Smoke => 0.04,
+        }
+    }
+
     /// `default`, `quick` or `smoke`.
     pub fn name(self) -> &'static str {
         match self {
@@ -150,7 +171,7 @@ pub async fn run_suite(options: &SuiteOptions) -> Result<SuiteReport, LabError> 
             runs.push(outcomes);
         }
         let setup = describe(scenario, options.mode);
-        reports.push(report::aggregate(scenario, setup, runs));
+        reports.push(report::aggregate(scenario, options.mode, setup, runs));
     }
     Ok(SuiteReport {
         mode: options.mode.name().to_owned(),
@@ -229,6 +250,10 @@ fn print_progress(scenario: &str, seed: u64, outcomes: &[PeerOutcome]) {
                     "requests",
                     "latency_p50_s",
                     "latency_p99_s",
+                    "ttfb_p99_s",
+                    "slo_pct",
+                    "prefix_hit_pct",
+                    "engine_waiting_mean",
                     "error_pct",
                     "rps_c1",
                     "rps_c32",

@@ -121,6 +121,13 @@ impl NginxProcess {
         )))
     }
 
+    /// Why the master process is gone, when it has exited.
+    pub fn exited(&mut self) -> Option<String> {
+        let status = self.child.try_wait().ok()??;
+        let error_log = std::fs::read_to_string(self.dir.join("error.log")).unwrap_or_default();
+        Some(format!("{status}; error.log:\n{error_log}"))
+    }
+
     /// The master's process id (its workers are its children).
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -182,6 +182,15 @@ impl RunningPeer {
         }
     }
 
+    /// Why the peer's process is gone, when it exited on its own (a run with a dead peer has no
+    /// numbers worth reporting).
+    pub fn exited(&mut self) -> Option<String> {
+        match self {
+            RunningPeer::Router(router) => router.exited(),
+            RunningPeer::Nginx(nginx) => nginx.exited(),
+        }
+    }
+
     /// CPU and memory of the peer's processes.
     pub fn usage(&self) -> ProcessUsage {
         ProcessUsage::of_tree(self.pid())

@@ -1,8 +1,10 @@
 //! Turning records into numbers, and numbers into markdown, JSON and SVG plots.
 //!
 //! Latency and time-to-first-byte percentiles are over successful requests only (a 2xx answer
-//! received in full); failures are counted in `error_pct`. With several runs, every number is the
-//! median over the runs and the CDF plots pool the latencies of all runs.
+//! received in full); failures are counted in `error_pct`, answers 429 and 503 also in
+//! `refused_pct`. The SLO goodput counts only the successful requests that met the scenario's
+//! [`Slo`], so refusing requests cannot pass for a latency win. With several runs, every number is
+//! the median over the runs and the CDF plots pool the latencies of all runs.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -12,9 +14,9 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use serde::Serialize;
 
-use super::LabError;
 use super::load::Record;
 use super::scenarios::{Kind, PeerOutcome, Scenario};
+use super::{LabError, Mode};
 
 /// Named numbers of one peer (keys such as `latency_p99_s`, `share_pct.r1`).
 pub type Metrics = BTreeMap<String, f64>;
@@ -42,9 +44,75 @@ pub fn median(values: &mut [f64]) -> Option<f64> {
     })
 }
 
-/// The numbers of one open-loop run: request count, latency and TTFB percentiles, goodput,
-/// error share and the share of answers per replica.
-pub fn summarize(records: &[Record], replicas: &[String]) -> Metrics {
+/// The bounds a request must finish within to count in the SLO goodput.
+///
+/// A streamed request meets it when its first token came within `ttft_seconds +
+/// ttft_seconds_per_prompt_token × prompt tokens` and its whole answer within that plus
+/// `tpot_seconds` per token asked for; a whole (non-streamed) answer has only the second bound.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Slo {
+    /// Seconds to the first token.
+    pub ttft_seconds: f64,
+    /// Seconds to the first token allowed per prompt token, on top.
+    pub ttft_seconds_per_prompt_token: f64,
+    /// Seconds per output token after the first, on average.
+    pub tpot_seconds: f64,
+}
+
+impl Slo {
+    /// The time to first token allowed for `record`.
+    pub fn ttft_bound(&self, record: &Record) -> f64 {
+        self.ttft_seconds + self.ttft_seconds_per_prompt_token * record.prompt_tokens as f64
+    }
+
+    /// The end-to-end time allowed for `record`.
+    pub fn latency_bound(&self, record: &Record) -> f64 {
+        self.ttft_bound(record) + self.tpot_seconds * f64::from(record.max_tokens)
+    }
+
+    /// Whether `record` succeeded within the bounds.
+    pub fn is_met(&self, record: &Record) -> bool {
+        record.is_success()
+            && (!record.stream || record.ttfb <= self.ttft_bound(record))
+            && record.latency <= self.latency_bound(record)
+    }
+
+    /// Every bound divided by `compression` (a scenario run faster than real time).
+    pub fn scaled(&self, compression: f64) -> Self {
+        Self {
+            ttft_seconds: self.ttft_seconds / compression,
+            ttft_seconds_per_prompt_token: self.ttft_seconds_per_prompt_token / compression,
+            tpot_seconds: self.tpot_seconds / compression,
+        }
+    }
+
+    /// For example `TTFT ≤ 2 s, end to end ≤ that + 100 ms × tokens asked for`.
+    pub fn describe(&self) -> String {
+        let per_prompt_token = if self.ttft_seconds_per_prompt_token > 0.0 {
+            format!(
+                " + {} ms × prompt tokens",
+                trim(self.ttft_seconds_per_prompt_token * 1e3)
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "TTFT ≤ {} s{per_prompt_token}, end to end ≤ that + {} ms × tokens asked for",
+            trim(self.ttft_seconds),
+            trim(self.tpot_seconds * 1e3)
+        )
+    }
+}
+
+/// A number without trailing zeros (`0.5`, `2`, `0.1`).
+fn trim(value: f64) -> String {
+    let text = format!("{value:.4}");
+    text.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+/// The numbers of one run: request count, latency and TTFB percentiles, goodput (all and within
+/// `slo`), error and refusal shares and the share of answers per replica.
+pub fn summarize(records: &[Record], replicas: &[String], slo: &Slo) -> Metrics {
     let mut metrics = Metrics::new();
     metrics.insert("requests".to_owned(), records.len() as f64);
     let successes: Vec<&Record> = records.iter().filter(|r| r.is_success()).collect();
@@ -62,12 +130,18 @@ pub fn summarize(records: &[Record], replicas: &[String]) -> Metrics {
             metrics.insert(format!("ttfb_{name}_s"), value);
         }
     }
-    metrics.insert(
-        "goodput_rps".to_owned(),
-        successes.len() as f64 / span_seconds(records),
-    );
+    let span = span_seconds(records);
+    metrics.insert("goodput_rps".to_owned(), successes.len() as f64 / span);
+    let within_slo = successes.iter().filter(|r| slo.is_met(r)).count();
+    metrics.insert("slo_goodput_rps".to_owned(), within_slo as f64 / span);
+    metrics.insert("slo_pct".to_owned(), percent(within_slo, records.len()));
     let failures = records.len() - successes.len();
     metrics.insert("error_pct".to_owned(), percent(failures, records.len()));
+    let refused = records
+        .iter()
+        .filter(|r| matches!(r.status, 429 | 503))
+        .count();
+    metrics.insert("refused_pct".to_owned(), percent(refused, records.len()));
     add_shares(&mut metrics, records, replicas);
     metrics
 }
@@ -155,6 +229,8 @@ pub struct ScenarioReport {
     pub concurrencies: Vec<usize>,
     /// Whether the overload columns apply.
     pub reports_overload: bool,
+    /// The SLO of the SLO goodput (routing scenarios), as run.
+    pub slo: Option<Slo>,
     /// One entry per peer, in order.
     pub peers: Vec<PeerReport>,
 }
@@ -178,6 +254,7 @@ pub struct PeerReport {
 /// Combines the outcomes of every run of `scenario` into its report.
 pub fn aggregate(
     scenario: &Scenario,
+    mode: Mode,
     setup: String,
     runs: Vec<Vec<PeerOutcome>>,
 ) -> ScenarioReport {
@@ -213,8 +290,8 @@ pub fn aggregate(
     let (capacity_rps, offered_rps, replicas, concurrencies, reports_overload) =
         match &scenario.kind {
             Kind::Routing(routing) => (
-                Some(routing.capacity()),
-                Some(routing.rate()),
+                routing.capacity(),
+                routing.rate(),
                 routing.replicas.iter().map(|r| r.name.clone()).collect(),
                 Vec::new(),
                 routing.reports_overload,
@@ -227,6 +304,10 @@ pub fn aggregate(
                 false,
             ),
         };
+    let slo = match &scenario.kind {
+        Kind::Routing(routing) => Some(routing.slo.scaled(routing.time_compression(mode))),
+        Kind::Overhead(_) => None,
+    };
     ScenarioReport {
         name: scenario.name.to_owned(),
         models: scenario.models.to_owned(),
@@ -236,6 +317,7 @@ pub fn aggregate(
         replicas,
         concurrencies,
         reports_overload,
+        slo,
         peers,
     }
 }
@@ -300,8 +382,23 @@ fn routing_columns(scenario: &ScenarioReport) -> Vec<Column> {
         column("TTFB p50 s", "ttfb_p50_s", Unit::Seconds),
         column("TTFB p99 s", "ttfb_p99_s", Unit::Seconds),
         column("goodput req/s", "goodput_rps", Unit::Rate),
+        column("SLO goodput req/s", "slo_goodput_rps", Unit::Rate),
+        column("in SLO %", "slo_pct", Unit::Percent),
         column("errors %", "error_pct", Unit::Percent),
+        column("refused %", "refused_pct", Unit::Percent),
     ];
+    // Numbers only some scenarios have (an engine with a prefix cache, sampled batches).
+    for (header, key, unit) in [
+        ("prefix cache hit %", "prefix_hit_pct", Unit::Percent),
+        ("batch mean", "engine_running_mean", Unit::Rate),
+        ("batch max", "engine_running_max", Unit::Count),
+        ("engine queue mean", "engine_waiting_mean", Unit::Rate),
+        ("KV use mean %", "kv_usage_mean_pct", Unit::Percent),
+    ] {
+        if scenario.peers.iter().any(|p| p.median.contains_key(key)) {
+            columns.push(column(header, key, unit));
+        }
+    }
     if scenario.reports_overload {
         columns.push(column(
             "fast 429/503 %",

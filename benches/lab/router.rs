@@ -79,6 +79,12 @@ impl RouterProcess {
         self.child.id()
     }
 
+    /// Why the process is gone, when it has exited: its status and its last log lines.
+    pub fn exited(&mut self) -> Option<String> {
+        let status = self.child.try_wait().ok()??;
+        Some(format!("{status}; last log lines:\n{}", self.recent_log()))
+    }
+
     /// The last log lines, joined.
     pub fn recent_log(&self) -> String {
         let log = self.log.lock().expect("log lock");

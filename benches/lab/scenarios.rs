@@ -1,23 +1,36 @@
 //! The scenarios: which replicas, which traffic, and how each is run against every peer.
 //!
-//! Loads are given as a fraction of the replicas' capacity computed from the simulator's timing
-//! model ([`SimConfig::capacity`] at the mean answer length), so "65% load" is exact for the model.
-//! Durations are those of the default mode; quick and smoke modes scale them down.
+//! The first scenarios send open-loop Poisson traffic of short TGI requests to small replicas
+//! (4 slots, per-request batching); their loads are given as a fraction of the replicas'
+//! capacity computed from the simulator's timing model ([`SimConfig::capacity`] at the mean
+//! answer length), so "65% load" is exact for the model. The LLM scenarios (`prefix`,
+//! `prefix-session`, `long-context`, `engine-scale`) send users' chat completions
+//! (`workload.rs`) to replicas at LLM-engine scale: stepped batching with chunked prefill, a KV
+//! cache limit, a prefix cache, prefill paid per uncached prompt token and decode steps of 20 to
+//! 50 ms. Every scenario states the SLO its goodput is judged by.
+//!
+//! Durations are those of the default mode; quick and smoke modes scale them down (the LLM
+//! scenarios also run fewer users on replicas sped up by the same factor as their times).
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::load::{self, ClosedLoop, Lengths, OpenLoop, Record};
 use super::peer::PeerSpec;
-use super::report::{self, Metrics};
-use super::sim::{self, Faults, SimConfig, SimHandle};
+use super::report::{self, Metrics, Slo};
+use super::sim::{self, Batching, Faults, SimConfig, SimHandle, SimStats};
+use super::workload::{Chat, Documents, Scale, Workload};
 use super::{LabError, Mode};
 
 /// A status answered within this many seconds counts as a fast rejection (overload).
 const FAST_REJECTION_SECONDS: f64 = 0.1;
+
+/// How often the replicas' batch and queue are sampled during an LLM scenario.
+const ENGINE_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// One scenario.
 #[derive(Debug, Clone)]
@@ -33,8 +46,8 @@ pub struct Scenario {
 /// The two kinds of scenario.
 #[derive(Debug, Clone)]
 pub enum Kind {
-    /// Simulated LLM replicas under open-loop traffic: routing quality.
-    Routing(Routing),
+    /// Simulated LLM replicas under traffic: routing quality.
+    Routing(Box<Routing>),
     /// An instant backend under closed-loop traffic: the proxy's own cost.
     Overhead(Overhead),
 }
@@ -44,10 +57,33 @@ pub enum Kind {
 pub struct Routing {
     /// The replicas; the first `initial_backends` are set at start.
     pub replicas: Vec<Replica>,
+    /// The replicas' engine; each replica's name, speed (times the mode's time compression for
+    /// users traffic), seed and faults are set from `replicas`.
+    pub engine: SimConfig,
     /// How many replicas the peer knows at start.
     pub initial_backends: usize,
     /// Seconds (default mode) after which every replica is set.
     pub scale_up_after: Option<f64>,
+    /// What the clients send.
+    pub traffic: Traffic,
+    /// The bounds a request must finish within to count in the SLO goodput.
+    pub slo: Slo,
+    /// Report the fast-rejection share and goodput against capacity.
+    pub reports_overload: bool,
+}
+
+/// What the clients of a routing scenario send.
+#[derive(Debug, Clone)]
+pub enum Traffic {
+    /// Open-loop Poisson arrivals of TGI `/generate` requests.
+    Poisson(Poisson),
+    /// Users sending chat completions, each turn after the previous answer (see `workload.rs`).
+    Users(Workload),
+}
+
+/// Open-loop Poisson traffic.
+#[derive(Debug, Clone)]
+pub struct Poisson {
     /// Offered load as a fraction of the capacity of all replicas.
     pub load_fraction: f64,
     /// Requests sent at once at time 0 on top of the Poisson arrivals.
@@ -58,8 +94,6 @@ pub struct Routing {
     pub stream_fraction: f64,
     /// Seconds of arrivals (default mode).
     pub duration: f64,
-    /// Report the fast-rejection share and goodput against capacity.
-    pub reports_overload: bool,
 }
 
 /// One replica of a scenario.
@@ -106,6 +140,10 @@ pub fn all() -> Vec<Scenario> {
         dead(),
         failing(),
         overload(),
+        prefix(),
+        prefix_session(),
+        long_context(),
+        engine_scale(),
         overhead(),
     ]
 }
@@ -129,21 +167,41 @@ fn with_fault(mut replicas: Vec<Replica>, index: usize, fault: ReplicaFault) -> 
 
 const TYPICAL_LENGTHS: Lengths = Lengths::Uniform { min: 16, max: 112 };
 
+/// The SLO of the small-replica scenarios: a first token within 0.5 s and every token after it
+/// within 10 ms on average (2.5 × a full-batch step of a speed-1 replica).
+const SMALL_REPLICA_SLO: Slo = Slo {
+    ttft_seconds: 0.5,
+    ttft_seconds_per_prompt_token: 0.0,
+    tpot_seconds: 0.010,
+};
+
+/// A routing scenario on the original small replicas, with Poisson traffic.
+fn small_replicas(replicas: Vec<Replica>, poisson: Poisson) -> Routing {
+    Routing {
+        replicas,
+        engine: SimConfig::default(),
+        initial_backends: 4,
+        scale_up_after: None,
+        traffic: Traffic::Poisson(poisson),
+        slo: SMALL_REPLICA_SLO,
+        reports_overload: false,
+    }
+}
+
 fn hetero() -> Scenario {
     Scenario {
         name: "hetero",
         models: "Replicas of different speeds (e.g. mixed GPU types): 4 replicas with speeds 1, 1, 2 and 4 at 65% of their total capacity, every request streamed.",
-        kind: Kind::Routing(Routing {
-            replicas: replicas(&[1.0, 1.0, 2.0, 4.0]),
-            initial_backends: 4,
-            scale_up_after: None,
-            load_fraction: 0.65,
-            burst: 0,
-            lengths: TYPICAL_LENGTHS,
-            stream_fraction: 1.0,
-            duration: 12.0,
-            reports_overload: false,
-        }),
+        kind: Kind::Routing(Box::new(small_replicas(
+            replicas(&[1.0, 1.0, 2.0, 4.0]),
+            Poisson {
+                load_fraction: 0.65,
+                burst: 0,
+                lengths: TYPICAL_LENGTHS,
+                stream_fraction: 1.0,
+                duration: 12.0,
+            },
+        ))),
     }
 }
 
@@ -151,21 +209,21 @@ fn homog() -> Scenario {
     Scenario {
         name: "homog",
         models: "Identical replicas and answers of very different lengths (heavy-tailed): 4 equal replicas at 70% load, half of the requests streamed.",
-        kind: Kind::Routing(Routing {
-            replicas: replicas(&[1.0; 4]),
-            initial_backends: 4,
-            scale_up_after: None,
-            load_fraction: 0.70,
-            burst: 0,
-            lengths: Lengths::LogNormal {
-                median: 40.0,
-                sigma: 1.0,
-                max: 600,
+        kind: Kind::Routing(Box::new(small_replicas(
+            replicas(&[1.0; 4]),
+            Poisson {
+                load_fraction: 0.70,
+                burst: 0,
+                lengths: Lengths::LogNormal {
+                    median: 40.0,
+                    sigma: 1.0,
+                    min: 1,
+                    max: 600,
+                },
+                stream_fraction: 0.5,
+                duration: 15.0,
             },
-            stream_fraction: 0.5,
-            duration: 15.0,
-            reports_overload: false,
-        }),
+        ))),
     }
 }
 
@@ -174,17 +232,20 @@ fn burst_scaleup() -> Scenario {
     Scenario {
         name: "burst-scaleup",
         models: "A burst hits a single replica while the endpoint scales up: a burst of 10× its slots at time 0 plus Poisson traffic at 30% of the final capacity; 3 more replicas are added with set-backends a few seconds in (nginx: configuration rewritten and reloaded).",
-        kind: Kind::Routing(Routing {
-            replicas: replicas(&[1.0; 4]),
+        kind: Kind::Routing(Box::new(Routing {
             initial_backends: 1,
             scale_up_after: Some(3.0),
-            load_fraction: 0.30,
-            burst: 10 * slots,
-            lengths: TYPICAL_LENGTHS,
-            stream_fraction: 1.0,
-            duration: 9.0,
-            reports_overload: false,
-        }),
+            ..small_replicas(
+                replicas(&[1.0; 4]),
+                Poisson {
+                    load_fraction: 0.30,
+                    burst: 10 * slots,
+                    lengths: TYPICAL_LENGTHS,
+                    stream_fraction: 1.0,
+                    duration: 9.0,
+                },
+            )
+        })),
     }
 }
 
@@ -192,17 +253,10 @@ fn dead() -> Scenario {
     Scenario {
         name: "dead",
         models: "A replica that is gone but still listed: 1 of 4 equal replicas refuses connections; 50% of the nominal capacity (67% of the three live replicas).",
-        kind: Kind::Routing(Routing {
-            replicas: with_fault(replicas(&[1.0; 4]), 0, ReplicaFault::RefusesConnections),
-            initial_backends: 4,
-            scale_up_after: None,
-            load_fraction: 0.50,
-            burst: 0,
-            lengths: TYPICAL_LENGTHS,
-            stream_fraction: 1.0,
-            duration: 8.0,
-            reports_overload: false,
-        }),
+        kind: Kind::Routing(Box::new(small_replicas(
+            with_fault(replicas(&[1.0; 4]), 0, ReplicaFault::RefusesConnections),
+            half_load(),
+        ))),
     }
 }
 
@@ -210,17 +264,20 @@ fn failing() -> Scenario {
     Scenario {
         name: "failing",
         models: "A broken replica that fails fast: 1 of 4 equal replicas answers 500 at once; 50% of the nominal capacity.",
-        kind: Kind::Routing(Routing {
-            replicas: with_fault(replicas(&[1.0; 4]), 0, ReplicaFault::Answers500),
-            initial_backends: 4,
-            scale_up_after: None,
-            load_fraction: 0.50,
-            burst: 0,
-            lengths: TYPICAL_LENGTHS,
-            stream_fraction: 1.0,
-            duration: 8.0,
-            reports_overload: false,
-        }),
+        kind: Kind::Routing(Box::new(small_replicas(
+            with_fault(replicas(&[1.0; 4]), 0, ReplicaFault::Answers500),
+            half_load(),
+        ))),
+    }
+}
+
+fn half_load() -> Poisson {
+    Poisson {
+        load_fraction: 0.50,
+        burst: 0,
+        lengths: TYPICAL_LENGTHS,
+        stream_fraction: 1.0,
+        duration: 8.0,
     }
 }
 
@@ -236,17 +293,183 @@ fn overload() -> Scenario {
     Scenario {
         name: "overload",
         models: "More traffic than the replicas can serve: 150% of the capacity of 4 equal replicas. Each replica answers 429 with Retry-After once 32 requests wait for a slot (as TGI does past its concurrency limit). What matters: goodput, how much of the excess is refused fast, and the latency of the requests that are served.",
-        kind: Kind::Routing(Routing {
-            replicas,
-            initial_backends: 4,
-            scale_up_after: None,
-            load_fraction: 1.5,
-            burst: 0,
-            lengths: TYPICAL_LENGTHS,
-            stream_fraction: 1.0,
-            duration: 20.0,
+        kind: Kind::Routing(Box::new(Routing {
             reports_overload: true,
-        }),
+            ..small_replicas(
+                replicas,
+                Poisson {
+                    load_fraction: 1.5,
+                    burst: 0,
+                    lengths: TYPICAL_LENGTHS,
+                    stream_fraction: 1.0,
+                    duration: 20.0,
+                },
+            )
+        })),
+    }
+}
+
+/// An LLM engine at speed 1: decode steps of 20 ms + 0.1 ms per sequence in the batch (20 to
+/// 46 ms a token from 1 to 256 sequences), prefill 0.05 ms per uncached prompt token (20,000
+/// tokens a second), chunked prefill of up to 2,048 tokens a step, blocks of 16 tokens.
+fn llm_engine(slots: usize, kv_capacity_tokens: u64, prefix_cache_tokens: u64) -> SimConfig {
+    SimConfig {
+        slots,
+        prefill_ms: 0.0,
+        step_ms: 20.0,
+        step_per_batch_ms: 0.1,
+        prefill_per_token_ms: 0.05,
+        kv_capacity_tokens: Some(kv_capacity_tokens),
+        prefix_cache_tokens,
+        block_tokens: 16,
+        batching: Batching::Stepped {
+            token_budget: 2_048,
+        },
+        default_max_tokens: 256,
+        ..SimConfig::default()
+    }
+}
+
+/// An LLM scenario: equal replicas of `engine` serving `workload`.
+fn llm(replica_count: usize, engine: SimConfig, workload: Workload, slo: Slo) -> Routing {
+    Routing {
+        replicas: replicas(&vec![1.0; replica_count]),
+        engine,
+        initial_backends: replica_count,
+        scale_up_after: None,
+        traffic: Traffic::Users(workload),
+        slo,
+        reports_overload: false,
+    }
+}
+
+/// The SLO of the chat scenarios: first token within 2 s, then 100 ms a token on average (a
+/// reading pace).
+const CHAT_SLO: Slo = Slo {
+    ttft_seconds: 2.0,
+    ttft_seconds_per_prompt_token: 0.0,
+    tpot_seconds: 0.100,
+};
+
+/// Tenants sharing long system prompts, their users in multi-turn chats.
+fn tenants_chat(session_header: bool) -> Workload {
+    Workload::Chat(Chat {
+        tenants: 24,
+        users_per_tenant: 9,
+        shared_preamble_tokens: 1_000,
+        tenant_prompt_tokens: (2_000, 4_000),
+        turns: (3, 4),
+        question_tokens: Lengths::LogNormal {
+            median: 60.0,
+            sigma: 0.7,
+            min: 10,
+            max: 400,
+        },
+        answer_tokens: Lengths::LogNormal {
+            median: 150.0,
+            sigma: 0.5,
+            min: 30,
+            max: 600,
+        },
+        think_seconds: (1.0, 4.0),
+        start_within: 15.0,
+        session_header,
+    })
+}
+
+/// The replicas of the prefix scenarios: KV for about 30 of their requests, a prefix cache
+/// smaller than all the tenants' prompts and histories.
+fn prefix_engine() -> SimConfig {
+    llm_engine(128, 150_000, 50_000)
+}
+
+fn prefix() -> Scenario {
+    Scenario {
+        name: "prefix",
+        models: "Multi-tenant chat: tenants' long system prompts (thousands of tokens, all starting with one shared preamble), several users per tenant in multi-turn chats that resend their growing history, no session header. A replica that saw a prefix recently skips its prefill; the prefix cache of one replica cannot hold every tenant and history.",
+        kind: Kind::Routing(Box::new(llm(
+            4,
+            prefix_engine(),
+            tenants_chat(false),
+            CHAT_SLO,
+        ))),
+    }
+}
+
+fn prefix_session() -> Scenario {
+    Scenario {
+        name: "prefix-session",
+        models: "The prefix workload with every request naming its conversation in an `x-session-id` header, as a client that knows its sessions would.",
+        kind: Kind::Routing(Box::new(llm(
+            4,
+            prefix_engine(),
+            tenants_chat(true),
+            CHAT_SLO,
+        ))),
+    }
+}
+
+fn long_context() -> Scenario {
+    Scenario {
+        name: "long-context",
+        models: "Long documents among short chats: prompts from 100 to 32k tokens. A long prefill fills a replica's steps (chunked prefill) and slows every stream it decodes, and a long prompt reserves much of its KV cache.",
+        kind: Kind::Routing(Box::new(llm(
+            4,
+            llm_engine(128, 200_000, 50_000),
+            Workload::Documents(Documents {
+                rate: 14.0,
+                duration: 40.0,
+                long_fraction: 0.25,
+                long_prompt_tokens: (2_000, 32_000),
+                short_prompt_tokens: (100, 1_000),
+                answer_tokens: Lengths::LogNormal {
+                    median: 200.0,
+                    sigma: 0.5,
+                    min: 50,
+                    max: 1_000,
+                },
+            }),
+            // A first token within 2 s plus twice the prefill of the prompt on an idle replica.
+            Slo {
+                ttft_seconds: 2.0,
+                ttft_seconds_per_prompt_token: 0.000_1,
+                tpot_seconds: 0.100,
+            },
+        ))),
+    }
+}
+
+fn engine_scale() -> Scenario {
+    Scenario {
+        name: "engine-scale",
+        models: "Replicas at engine scale: 2 replicas of 256 sequences each, their KV cache for about 230 typical requests; 500 streaming users arrive within 5 s and chat for two turns, answers of 200 to 2,000 tokens at 20 to 46 ms a token.",
+        kind: Kind::Routing(Box::new(llm(
+            2,
+            llm_engine(256, 300_000, 100_000),
+            Workload::Chat(Chat {
+                tenants: 20,
+                users_per_tenant: 25,
+                shared_preamble_tokens: 200,
+                tenant_prompt_tokens: (300, 800),
+                turns: (2, 2),
+                question_tokens: Lengths::LogNormal {
+                    median: 50.0,
+                    sigma: 0.7,
+                    min: 10,
+                    max: 300,
+                },
+                answer_tokens: Lengths::LogNormal {
+                    median: 300.0,
+                    sigma: 0.5,
+                    min: 200,
+                    max: 2_000,
+                },
+                think_seconds: (1.0, 3.0),
+                start_within: 5.0,
+                session_header: false,
+            }),
+            CHAT_SLO,
+        ))),
     }
 }
 
@@ -263,8 +486,8 @@ fn overhead() -> Scenario {
 }
 
 impl Routing {
-    /// The simulator settings of replica `index`.
-    pub fn sim_config(&self, index: usize, seed: u64) -> SimConfig {
+    /// The simulator settings of replica `index` in `mode`.
+    pub fn sim_config(&self, index: usize, seed: u64, mode: Mode) -> SimConfig {
         let replica = &self.replicas[index];
         let mut faults = Faults::default();
         match replica.fault {
@@ -277,49 +500,96 @@ impl Routing {
         }
         SimConfig {
             name: replica.name.clone(),
-            speed: replica.speed,
+            speed: replica.speed * self.time_compression(mode),
             seed: seed.wrapping_add(index as u64),
             faults,
-            ..SimConfig::default()
+            ..self.engine.clone()
         }
     }
 
-    /// Requests per second all replicas finish with every slot busy (the model's capacity).
-    pub fn capacity(&self) -> f64 {
-        let mean_tokens = self.lengths.mean();
-        (0..self.replicas.len())
-            .map(|index| self.sim_config(index, 0).capacity(mean_tokens))
-            .sum()
+    /// How much faster than real time the scenario runs in `mode`: the LLM scenarios compress
+    /// time in quick and smoke modes; Poisson scenarios shorten their duration instead.
+    pub fn time_compression(&self, mode: Mode) -> f64 {
+        match self.traffic {
+            Traffic::Poisson(_) => 1.0,
+            Traffic::Users(_) => mode.time_compression(),
+        }
     }
 
-    /// The offered arrival rate.
-    pub fn rate(&self) -> f64 {
-        self.load_fraction * self.capacity()
+    /// How a users workload is shrunk in `mode`.
+    fn workload_scale(&self, mode: Mode) -> Scale {
+        Scale {
+            users: mode.user_fraction(),
+            time_compression: mode.time_compression(),
+        }
     }
 
-    /// The open-loop load of one run.
-    pub fn open_loop(&self, mode: Mode, seed: u64) -> OpenLoop {
-        let duration = Duration::from_secs_f64(self.duration * mode.time_scale());
-        OpenLoop {
-            rate: self.rate(),
+    /// Requests per second all replicas finish with every slot busy (the model's capacity), for
+    /// Poisson traffic.
+    pub fn capacity(&self) -> Option<f64> {
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return None;
+        };
+        let mean_tokens = poisson.lengths.mean();
+        Some(
+            (0..self.replicas.len())
+                .map(|index| {
+                    self.sim_config(index, 0, Mode::Default)
+                        .capacity(mean_tokens)
+                })
+                .sum(),
+        )
+    }
+
+    /// The offered arrival rate, for Poisson traffic.
+    pub fn rate(&self) -> Option<f64> {
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return None;
+        };
+        Some(poisson.load_fraction * self.capacity()?)
+    }
+
+    /// The open-loop load of one run, for Poisson traffic.
+    pub fn open_loop(&self, mode: Mode, seed: u64) -> Option<OpenLoop> {
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return None;
+        };
+        let duration = Duration::from_secs_f64(poisson.duration * mode.time_scale());
+        Some(OpenLoop {
+            rate: self.rate()?,
             duration,
-            burst: self.burst,
-            lengths: self.lengths.clone(),
-            stream_fraction: self.stream_fraction,
+            burst: poisson.burst,
+            lengths: poisson.lengths.clone(),
+            stream_fraction: poisson.stream_fraction,
             seed,
             request_timeout: duration + mode.drain_limit(),
             max_requests: 100_000,
-        }
+        })
     }
 
     /// One line describing the set-up.
     pub fn describe(&self, mode: Mode) -> String {
+        let traffic = match &self.traffic {
+            Traffic::Poisson(poisson) => self.describe_small_replicas(poisson, mode),
+            Traffic::Users(workload) => format!(
+                "{}; {}",
+                self.describe_engine(mode),
+                workload.describe(self.workload_scale(mode))
+            ),
+        };
+        format!(
+            "{traffic}; SLO: {}",
+            self.slo.scaled(self.time_compression(mode)).describe()
+        )
+    }
+
+    fn describe_small_replicas(&self, poisson: &Poisson, mode: Mode) -> String {
         let speeds: Vec<String> = self
             .replicas
             .iter()
             .map(|replica| format!("{}", replica.speed))
             .collect();
-        let config = SimConfig::default();
+        let config = &self.engine;
         format!(
             "{} replicas (speeds {}; {} slots; prefill {} ms, step {} + {} × batch ms at speed 1); {}; {:.0}% streamed; {:.1} s of arrivals{}",
             self.replicas.len(),
@@ -328,11 +598,11 @@ impl Routing {
             config.prefill_ms,
             config.step_ms,
             config.step_per_batch_ms,
-            self.lengths.describe(),
-            self.stream_fraction * 100.0,
-            self.duration * mode.time_scale(),
-            if self.burst > 0 {
-                format!(", burst of {} at 0 s", self.burst)
+            poisson.lengths.describe(),
+            poisson.stream_fraction * 100.0,
+            poisson.duration * mode.time_scale(),
+            if poisson.burst > 0 {
+                format!(", burst of {} at 0 s", poisson.burst)
             } else {
                 String::new()
             },
@@ -344,6 +614,35 @@ impl Routing {
                 after * mode.time_scale()
             )
         })
+    }
+
+    fn describe_engine(&self, mode: Mode) -> String {
+        let config = &self.engine;
+        let budget = match config.batching {
+            Batching::Stepped { token_budget } => {
+                format!("stepped batching, chunked prefill of {token_budget} tokens a step")
+            }
+            Batching::PerRequest => "per-request batching".to_owned(),
+        };
+        let compression = self.time_compression(mode);
+        format!(
+            "{} replicas ({} sequences, KV cache {} tokens, prefix cache {} tokens in blocks of {}; {budget}; decode step {} + {} × batch ms, prefill {} ms a token{})",
+            self.replicas.len(),
+            config.slots,
+            config
+                .kv_capacity_tokens
+                .map_or_else(|| "unlimited".to_owned(), |t| t.to_string()),
+            config.prefix_cache_tokens,
+            config.block_tokens,
+            config.step_ms,
+            config.step_per_batch_ms,
+            config.prefill_per_token_ms,
+            if compression == 1.0 {
+                String::new()
+            } else {
+                format!("; every time ÷ {compression}")
+            },
+        )
     }
 }
 
@@ -392,23 +691,27 @@ impl Scenario {
 /// A replica's address and, unless it refuses connections, its running simulator.
 struct StartedReplica {
     address: String,
-    _sim: Option<SimHandle>,
+    sim: Option<SimHandle>,
 }
 
-async fn start_replicas(routing: &Routing, seed: u64) -> Result<Vec<StartedReplica>, LabError> {
+async fn start_replicas(
+    routing: &Routing,
+    seed: u64,
+    mode: Mode,
+) -> Result<Vec<StartedReplica>, LabError> {
     let mut started = Vec::new();
     for (index, replica) in routing.replicas.iter().enumerate() {
         if replica.fault == ReplicaFault::RefusesConnections {
             started.push(StartedReplica {
                 address: refusing_address()?.to_string(),
-                _sim: None,
+                sim: None,
             });
             continue;
         }
-        let handle = sim::spawn(routing.sim_config(index, seed)).await?;
+        let handle = sim::spawn(routing.sim_config(index, seed, mode)).await?;
         started.push(StartedReplica {
             address: handle.host_port(),
-            _sim: Some(handle),
+            sim: Some(handle),
         });
     }
     Ok(started)
@@ -436,40 +739,179 @@ async fn run_routing(
     context: RunContext<'_>,
 ) -> Result<PeerRun, LabError> {
     let seed = scenario_seed(scenario, context.seed);
-    let replicas = start_replicas(routing, seed).await?;
+    let replicas = start_replicas(routing, seed, context.mode).await?;
     let addresses: Vec<String> = replicas.iter().map(|r| r.address.clone()).collect();
+    let stats: Vec<Arc<SimStats>> = replicas
+        .iter()
+        .filter_map(|replica| Some(Arc::clone(&replica.sim.as_ref()?.stats)))
+        .collect();
     let initial = &addresses[..routing.initial_backends.min(addresses.len())];
     let mut running = peer
         .start(context.router_binary, context.work_dir, initial)
         .await?;
-    let load = routing.open_loop(context.mode, seed);
-    let schedule = load::plan(&load);
-    let load_task = tokio::spawn(load::run_open_loop(
-        running.addr(),
-        schedule,
-        load.request_timeout,
-        None,
-    ));
+    let load_task = match (&routing.traffic, routing.open_loop(context.mode, seed)) {
+        (Traffic::Poisson(_), Some(load)) => tokio::spawn(load::run_open_loop(
+            running.addr(),
+            load::plan(&load),
+            load.request_timeout,
+            None,
+        )),
+        (Traffic::Users(workload), _) => tokio::spawn(load::run_users(
+            running.addr(),
+            workload.users(seed, routing.workload_scale(context.mode)),
+            users_request_timeout(context.mode),
+        )),
+        (Traffic::Poisson(_), None) => return Err(LabError::new("no open-loop load")),
+    };
+    let (sampling_done, done) = tokio::sync::oneshot::channel();
+    let sampler = matches!(routing.traffic, Traffic::Users(_))
+        .then(|| tokio::spawn(sample_engines(stats.clone(), routing.engine.clone(), done)));
     let mut scale_up_error = None;
     if let Some(after) = routing.scale_up_after {
         tokio::time::sleep(Duration::from_secs_f64(after * context.mode.time_scale())).await;
         scale_up_error = running.set_backends(&addresses).await.err();
     }
     let records = load_task.await.map_err(|e| LabError::new(e.to_string()))?;
+    let _ = sampling_done.send(());
+    let engine_samples = match sampler {
+        Some(sampler) => sampler.await.ok(),
+        None => None,
+    };
+    let exited = running.exited();
     running.stop().await;
     drop(replicas);
     if let Some(error) = scale_up_error {
         return Err(error);
     }
+    if let Some(why) = exited {
+        return Err(LabError::new(format!(
+            "{} exited during the run: {why}",
+            peer.name()
+        )));
+    }
     let names: Vec<String> = routing.replicas.iter().map(|r| r.name.clone()).collect();
-    let mut metrics = report::summarize(&records, &names);
+    let slo = routing.slo.scaled(routing.time_compression(context.mode));
+    let mut metrics = report::summarize(&records, &names, &slo);
+    if routing.engine.prefix_cache_tokens > 0 {
+        add_prefix_cache_metrics(&mut metrics, &stats);
+    }
+    if let Some(samples) = engine_samples {
+        samples.add_metrics(&mut metrics);
+    }
     if routing.reports_overload {
-        add_overload_metrics(&mut metrics, &records, routing.capacity());
+        if let Some(capacity) = routing.capacity() {
+            add_overload_metrics(&mut metrics, &records, capacity);
+        }
     }
     Ok(PeerRun {
         metrics,
         latencies: success_latencies(&records),
     })
+}
+
+/// How long a users request may take (its answer can last a minute at full batch).
+fn users_request_timeout(mode: Mode) -> Duration {
+    3 * mode.drain_limit()
+}
+
+/// The prefix-cache hit ratio over every replica: prompt tokens found in a replica's cache over
+/// prompt tokens looked up, from the replicas' counters (`vllm:prefix_cache_hits_total` over
+/// `vllm:prefix_cache_queries_total`).
+fn add_prefix_cache_metrics(metrics: &mut Metrics, stats: &[Arc<SimStats>]) {
+    let queried: u64 = stats
+        .iter()
+        .map(|s| SimStats::get(&s.prefix_queried_tokens))
+        .sum();
+    let hits: u64 = stats
+        .iter()
+        .map(|s| SimStats::get(&s.prefix_hit_tokens))
+        .sum();
+    if queried > 0 {
+        metrics.insert(
+            "prefix_hit_pct".to_owned(),
+            100.0 * hits as f64 / queried as f64,
+        );
+    }
+}
+
+/// The replicas' batches, queues and KV cache, sampled every [`ENGINE_SAMPLE_INTERVAL`] while
+/// at least one request is in a replica: means per replica, the largest batch of one replica,
+/// the most requests waiting in all replicas together, the mean share of KV cache reserved.
+#[derive(Debug, Default)]
+struct EngineSamples {
+    samples: u64,
+    running: f64,
+    waiting: f64,
+    max_running: usize,
+    max_waiting: usize,
+    kv_usage: f64,
+    replicas: usize,
+}
+
+impl EngineSamples {
+    fn add(&mut self, stats: &[Arc<SimStats>], engine: &SimConfig) {
+        let batches: Vec<usize> = stats
+            .iter()
+            .map(|s| s.decoding.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        let running: usize = batches.iter().sum();
+        let waiting: usize = stats
+            .iter()
+            .map(|s| s.waiting.load(std::sync::atomic::Ordering::Relaxed))
+            .sum();
+        if running + waiting == 0 {
+            return;
+        }
+        let reserved: u64 = stats
+            .iter()
+            .map(|s| {
+                s.kv_reserved_tokens
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .sum();
+        let capacity = engine.kv_capacity_tokens.unwrap_or(0) * stats.len() as u64;
+        self.samples += 1;
+        self.replicas = stats.len().max(1);
+        self.running += running as f64;
+        self.waiting += waiting as f64;
+        self.max_waiting = self.max_waiting.max(waiting);
+        self.max_running = batches.into_iter().fold(self.max_running, usize::max);
+        if capacity > 0 {
+            self.kv_usage += reserved as f64 / capacity as f64;
+        }
+    }
+
+    fn add_metrics(&self, metrics: &mut Metrics) {
+        if self.samples == 0 {
+            return;
+        }
+        let samples = self.samples as f64;
+        let per_replica = samples * self.replicas as f64;
+        metrics.insert("engine_running_mean".to_owned(), self.running / per_replica);
+        metrics.insert("engine_waiting_mean".to_owned(), self.waiting / per_replica);
+        metrics.insert("engine_running_max".to_owned(), self.max_running as f64);
+        metrics.insert("engine_waiting_max".to_owned(), self.max_waiting as f64);
+        metrics.insert(
+            "kv_usage_mean_pct".to_owned(),
+            100.0 * self.kv_usage / samples,
+        );
+    }
+}
+
+/// Samples the replicas until `done` fires.
+async fn sample_engines(
+    stats: Vec<Arc<SimStats>>,
+    engine: SimConfig,
+    mut done: tokio::sync::oneshot::Receiver<()>,
+) -> EngineSamples {
+    let mut samples = EngineSamples::default();
+    let mut ticker = tokio::time::interval(ENGINE_SAMPLE_INTERVAL);
+    loop {
+        tokio::select! {
+            _ = &mut done => return samples,
+            _ = ticker.tick() => samples.add(&stats, &engine),
+        }
+    }
 }
 
 fn success_latencies(records: &[Record]) -> Vec<f64> {

@@ -2,26 +2,36 @@
 //!
 //! # Timing model
 //!
-//! - `slots` requests decode at once (continuous batching); more wait in the replica's own FIFO
-//!   queue for a slot.
-//! - A request that holds a slot first pays a prefill (the time to first token) of
-//!   `prefill_ms / speed`, then decodes `max_tokens` tokens. Each decode step takes
-//!   `(step_ms + step_per_batch_ms × batch) / speed`, where `batch` is the number of requests
-//!   holding a slot at that step, so a fuller batch decodes each token more slowly.
+//! - `slots` requests run at once (continuous batching); more wait in the replica's own FIFO
+//!   queue. With `kv_capacity_tokens` set, a request also reserves KV cache for its prompt plus
+//!   its `max_tokens` when it starts, and the head of the queue waits until that fits.
+//! - The prompt is read from the body ([`prompt`]: chat `messages`, `prompt` or TGI `inputs`,
+//!   about 4 characters a token). With a prefix cache (`prefix_cache_tokens` > 0), the leading
+//!   blocks of the prompt that the replica computed recently are not prefilled again
+//!   ([`prefix_cache`]).
 //! - `max_tokens` is read from the JSON request body (`max_tokens`, or TGI's
 //!   `parameters.max_new_tokens`), else `default_max_tokens`.
-//! - Steps are scheduled against deadlines (`previous deadline + step`), so the timer's
-//!   millisecond resolution does not accumulate over a long answer.
+//! - [`Batching::PerRequest`] (the default): a request that holds a slot pays a prefill (the
+//!   time to first token) of `(prefill_ms + prefill_per_token_ms × uncached prompt tokens) /
+//!   speed`, then decodes `max_tokens` tokens. Each decode step takes `(step_ms +
+//!   step_per_batch_ms × batch) / speed`, where `batch` is the number of requests holding a slot
+//!   at that step, so a fuller batch decodes each token more slowly. Steps are scheduled against
+//!   deadlines (`previous deadline + step`), so the timer's millisecond resolution does not
+//!   accumulate over a long answer.
+//! - [`Batching::Stepped`]: one engine loop steps every running request together, with chunked
+//!   prefill, so a prefill in progress slows the replica's decodes (see [`engine`]).
 //!
-//! With every slot busy, one request of `t` tokens takes
-//! `(prefill_ms + t × (step_ms + step_per_batch_ms × slots)) / speed` milliseconds, and the
-//! replica finishes `slots` requests per such period: [`SimConfig::capacity`].
+//! With the per-token costs and the KV limit off (the default), per-request batching, every slot
+//! busy and one request of `t` tokens takes `(prefill_ms + t × (step_ms + step_per_batch_ms ×
+//! slots)) / speed` milliseconds, and the replica finishes `slots` requests per such period:
+//! [`SimConfig::capacity`].
 //!
 //! # Answers
 //!
 //! `"stream": true` answers server-sent events, one `data: {...}` event per token and then
 //! `data: [DONE]`; otherwise one JSON document when the last token is decoded. Every answer carries
-//! `x-sim-replica: NAME`.
+//! `x-sim-replica: NAME`. `GET /metrics` answers the engine's gauges and counters under vLLM's
+//! and TGI's names ([`SimState::metrics_text`]), `GET /info` TGI's `max_concurrent_requests`.
 //!
 //! # Faults
 //!
@@ -31,6 +41,7 @@
 #![allow(dead_code)]
 
 use std::convert::Infallible;
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -49,9 +60,19 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+#[path = "sim/engine.rs"]
+mod engine;
+#[path = "sim/prefix_cache.rs"]
+pub mod prefix_cache;
+#[path = "sim/prompt.rs"]
+pub mod prompt;
+
+use self::prefix_cache::PrefixCache;
+use self::prompt::{Prompt, TOKEN_TEXT};
 
 /// The header naming the replica that answered.
 pub const REPLICA_HEADER: &str = "x-sim-replica";
@@ -98,10 +119,38 @@ pub struct SimConfig {
     pub step_per_batch_ms: f64,
     /// Tokens generated when the request names none.
     pub default_max_tokens: u32,
+    /// Milliseconds of prefill per prompt token not found in the prefix cache, at speed 1.
+    pub prefill_per_token_ms: f64,
+    /// KV cache tokens the running requests may hold together: each reserves its prompt plus its
+    /// `max_tokens` when it starts, and the queue's head waits until that fits; a request that
+    /// could never fit is answered 400. `None`: no limit but the slots.
+    pub kv_capacity_tokens: Option<u64>,
+    /// Tokens the prefix cache holds (0: no prefix cache).
+    pub prefix_cache_tokens: u64,
+    /// Tokens per block of the prefix cache (vLLM's default is 16).
+    pub block_tokens: u32,
+    /// How requests holding a slot are timed.
+    pub batching: Batching,
     /// Seeds the fault draws.
     pub seed: u64,
     /// Injected faults.
     pub faults: Faults,
+}
+
+/// How the requests holding a slot are timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batching {
+    /// Each request times its own prefill and decode steps; the batch only sets the length of a
+    /// step (the original model).
+    PerRequest,
+    /// One engine loop runs every step for all running requests: a decode token each, plus up to
+    /// `token_budget` minus the decodes of prompt tokens (chunked prefill), and a step lasts longer
+    /// for each prompt token it carries (see the `engine` module).
+    Stepped {
+        /// Tokens per step, decodes and prompt chunks together (vLLM's
+        /// `max_num_batched_tokens`).
+        token_budget: u32,
+    },
 }
 
 impl Default for SimConfig {
@@ -115,6 +164,11 @@ impl Default for SimConfig {
             step_ms: 2.0,
             step_per_batch_ms: 0.5,
             default_max_tokens: 64,
+            prefill_per_token_ms: 0.0,
+            kv_capacity_tokens: None,
+            prefix_cache_tokens: 0,
+            block_tokens: 16,
+            batching: Batching::PerRequest,
             seed: 1,
             faults: Faults::default(),
         }
@@ -135,9 +189,10 @@ impl SimConfig {
         }
     }
 
-    /// The prefill (time to first token) of one request.
-    pub fn prefill(&self) -> Duration {
-        millis(self.prefill_ms / self.speed)
+    /// The prefill (time to first token) of one request with `uncached` prompt tokens to compute,
+    /// per-request batching.
+    pub fn prefill(&self, uncached: u64) -> Duration {
+        millis((self.prefill_ms + self.prefill_per_token_ms * uncached as f64) / self.speed)
     }
 
     /// One decode step with `batch` requests holding a slot.
@@ -145,7 +200,8 @@ impl SimConfig {
         millis((self.step_ms + self.step_per_batch_ms * batch as f64) / self.speed)
     }
 
-    /// Seconds one request of `tokens` tokens takes while every slot is busy.
+    /// Seconds one request of `tokens` tokens takes while every slot is busy (per-request
+    /// batching, no prompt cost).
     pub fn full_batch_seconds(&self, tokens: f64) -> f64 {
         let step_ms = self.step_ms + self.step_per_batch_ms * self.slots as f64;
         (self.prefill_ms + tokens * step_ms) / self.speed / 1000.0
@@ -181,6 +237,16 @@ pub struct SimStats {
     pub decoding: AtomicUsize,
     /// Requests waiting for a slot.
     pub waiting: AtomicUsize,
+    /// KV cache tokens reserved by the requests holding a slot.
+    pub kv_reserved_tokens: AtomicU64,
+    /// Prompt tokens of the requests that took a slot.
+    pub prompt_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`).
+    pub prefix_queried_tokens: AtomicU64,
+    /// Prompt tokens found there (vLLM's `prefix_cache_hits`).
+    pub prefix_hit_tokens: AtomicU64,
 }
 
 impl SimStats {
@@ -191,6 +257,13 @@ impl SimStats {
     /// Reads a counter.
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens found in the prefix cache over prompt tokens looked up; `None` before any
+    /// lookup.
+    pub fn prefix_hit_ratio(&self) -> Option<f64> {
+        let queried = Self::get(&self.prefix_queried_tokens);
+        (queried > 0).then(|| Self::get(&self.prefix_hit_tokens) as f64 / queried as f64)
     }
 }
 
@@ -240,6 +313,11 @@ impl Drop for SimHandle {
 struct SimState {
     config: SimConfig,
     slots: Arc<Semaphore>,
+    /// KV cache tokens, when limited.
+    kv: Option<Arc<Semaphore>>,
+    cache: Mutex<PrefixCache>,
+    /// The engine loop's inbox (stepped batching).
+    engine: Option<mpsc::UnboundedSender<engine::Job>>,
     stats: Arc<SimStats>,
     rng: Mutex<fastrand::Rng>,
     stopped: watch::Receiver<bool>,
@@ -251,13 +329,31 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     let addr = listener.local_addr()?;
     let (stop, stopped) = watch::channel(false);
     let stats = Arc::new(SimStats::default());
+    let (engine, inbox) = match config.batching {
+        Batching::PerRequest => (None, None),
+        Batching::Stepped { token_budget } => {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            (Some(sender), Some((receiver, token_budget)))
+        }
+    };
     let state = Arc::new(SimState {
         slots: Arc::new(Semaphore::new(config.slots.max(1))),
+        kv: config
+            .kv_capacity_tokens
+            .map(|tokens| Arc::new(Semaphore::new(kv_permits(tokens)))),
+        cache: Mutex::new(PrefixCache::new(
+            config.prefix_cache_tokens,
+            config.block_tokens,
+        )),
+        engine,
         stats: Arc::clone(&stats),
         rng: Mutex::new(fastrand::Rng::with_seed(config.seed)),
         stopped: stopped.clone(),
         config: config.clone(),
     });
+    if let Some((receiver, token_budget)) = inbox {
+        tokio::spawn(engine::run(Arc::clone(&state), receiver, token_budget));
+    }
     if let Some(after) = config.faults.exit_after {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -273,6 +369,11 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         stop,
         task,
     })
+}
+
+/// Semaphore permits for `tokens` KV tokens (a semaphore holds at most `usize::MAX >> 3`).
+fn kv_permits(tokens: u64) -> usize {
+    usize::try_from(tokens).map_or(Semaphore::MAX_PERMITS, |n| n.min(Semaphore::MAX_PERMITS))
 }
 
 async fn accept_loop(
@@ -330,10 +431,11 @@ impl std::fmt::Display for ClosedMidStream {
 impl std::error::Error for ClosedMidStream {}
 
 /// What a request asks for.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Ask {
     max_tokens: u32,
     stream: bool,
+    prompt: Prompt,
 }
 
 impl Ask {
@@ -344,7 +446,11 @@ impl Ask {
             .or_else(|| value["parameters"]["max_new_tokens"].as_u64())
             .map_or(default_max_tokens, |n| n.min(u64::from(u32::MAX)) as u32);
         let stream = value["stream"].as_bool().unwrap_or(false);
-        Self { max_tokens, stream }
+        Self {
+            max_tokens,
+            stream,
+            prompt: Prompt::of_body(&value),
+        }
     }
 }
 
@@ -356,6 +462,18 @@ enum Fate {
 }
 
 async fn handle(state: Arc<SimState>, request: Request<Incoming>) -> Response<SimBody> {
+    if request.method() == http::Method::GET {
+        match request.uri().path() {
+            "/metrics" => return state.text(state.metrics_text()),
+            "/info" => {
+                return state.json(
+                    StatusCode::OK,
+                    json!({"model_id": "sim", "max_concurrent_requests": state.config.slots}),
+                );
+            }
+            _ => {}
+        }
+    }
     SimStats::bump(&state.stats.received);
     let body = match Limited::new(request.into_body(), MAX_REQUEST_BODY)
         .collect()
@@ -373,14 +491,188 @@ async fn handle(state: Arc<SimState>, request: Request<Incoming>) -> Response<Si
     if state.queue_is_over_limit() {
         return state.reject();
     }
-    if ask.stream {
-        state.stream(ask)
-    } else {
-        state.answer_whole(ask).await
+    if !state.could_ever_fit(&ask) {
+        return state.json(
+            StatusCode::BAD_REQUEST,
+            json!({"error": "the prompt and max_tokens exceed the replica's KV cache capacity"}),
+        );
+    }
+    match (&state.engine, ask.stream) {
+        (Some(engine), true) => state.stream_stepped(engine, ask),
+        (Some(engine), false) => state.answer_whole_stepped(engine, ask).await,
+        (None, true) => state.stream(ask),
+        (None, false) => state.answer_whole(ask).await,
+    }
+}
+
+/// A request's place in the batch: its KV reservation, and what it needs to prefill. Dropping it
+/// frees the place.
+struct Admission {
+    stats: Arc<SimStats>,
+    _kv: Option<OwnedSemaphorePermit>,
+    reserved_tokens: u64,
+    /// Prompt tokens to prefill (those not found in the prefix cache; at least one).
+    uncached_tokens: u64,
+    /// The hash chain of the prompt's full blocks (empty without a prefix cache).
+    chain: Vec<u64>,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.stats.decoding.fetch_sub(1, Ordering::SeqCst);
+        self.stats
+            .kv_reserved_tokens
+            .fetch_sub(self.reserved_tokens, Ordering::SeqCst);
     }
 }
 
 impl SimState {
+    /// KV tokens a request reserves: its prompt (at least one token) and its answer.
+    fn reservation(prompt: &Prompt, max_tokens: u32) -> u64 {
+        prompt.tokens().max(1) + u64::from(max_tokens)
+    }
+
+    fn could_ever_fit(&self, ask: &Ask) -> bool {
+        self.config
+            .kv_capacity_tokens
+            .is_none_or(|capacity| Self::reservation(&ask.prompt, ask.max_tokens) <= capacity)
+    }
+
+    /// Admits a request at once if its KV reservation fits (the caller holds or checked a slot).
+    fn try_admit(&self, prompt: &Prompt, max_tokens: u32) -> Option<Admission> {
+        let reserved = Self::reservation(prompt, max_tokens);
+        let kv = match &self.kv {
+            Some(kv) => Some(
+                Arc::clone(kv)
+                    .try_acquire_many_owned(permit_count(reserved))
+                    .ok()?,
+            ),
+            None => None,
+        };
+        Some(self.admitted(prompt, reserved, kv))
+    }
+
+    /// Counts a request into the batch and looks its prompt up in the prefix cache.
+    fn admitted(
+        &self,
+        prompt: &Prompt,
+        reserved_tokens: u64,
+        kv: Option<OwnedSemaphorePermit>,
+    ) -> Admission {
+        let stats = &self.stats;
+        stats.decoding.fetch_add(1, Ordering::SeqCst);
+        stats
+            .kv_reserved_tokens
+            .fetch_add(reserved_tokens, Ordering::SeqCst);
+        let tokens = prompt.tokens().max(1);
+        stats.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
+        let mut cache = self.cache.lock().expect("prefix cache lock");
+        let (chain, cached) = if cache.is_enabled() {
+            let chain = prompt.block_hashes(self.config.block_tokens);
+            let held = cache.lookup(&chain) as u64;
+            // At least the last prompt token is computed, to yield the first output token.
+            let cached = (held * u64::from(self.config.block_tokens)).min(tokens - 1);
+            stats
+                .prefix_queried_tokens
+                .fetch_add(tokens, Ordering::Relaxed);
+            stats.prefix_hit_tokens.fetch_add(cached, Ordering::Relaxed);
+            (chain, cached)
+        } else {
+            (Vec::new(), 0)
+        };
+        Admission {
+            stats: Arc::clone(stats),
+            _kv: kv,
+            reserved_tokens,
+            uncached_tokens: tokens - cached,
+            chain,
+        }
+    }
+
+    /// Stores the blocks a request has computed (its prompt, and `generated` tokens of answer)
+    /// in the prefix cache.
+    fn remember(&self, prompt: &Prompt, generated: u32, admission: &Admission) {
+        let mut cache = self.cache.lock().expect("prefix cache lock");
+        if !cache.is_enabled() {
+            return;
+        }
+        if generated == 0 {
+            cache.insert(&admission.chain);
+        } else {
+            let block_tokens = self.config.block_tokens;
+            cache.insert(&prompt.chain_with_answer(&admission.chain, generated, block_tokens));
+        }
+    }
+
+    /// The engine's state in Prometheus' text format, under vLLM's and TGI's names.
+    fn metrics_text(&self) -> String {
+        let stats = &self.stats;
+        let running = stats.decoding.load(Ordering::SeqCst);
+        let waiting = stats.waiting.load(Ordering::SeqCst);
+        let kv_usage = match self.config.kv_capacity_tokens {
+            Some(capacity) => {
+                stats.kv_reserved_tokens.load(Ordering::SeqCst) as f64 / capacity.max(1) as f64
+            }
+            None => running as f64 / self.config.slots.max(1) as f64,
+        };
+        let label = "{model_name=\"sim\"}";
+        let mut text = String::new();
+        let mut family = |name: &str, kind: &str, help: &str, value: String| {
+            let _ = writeln!(
+                text,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{label} {value}"
+            );
+        };
+        family(
+            "vllm:num_requests_running",
+            "gauge",
+            "Requests in the batch (prefill or decode).",
+            running.to_string(),
+        );
+        family(
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Requests waiting for a slot or for KV cache.",
+            waiting.to_string(),
+        );
+        family(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "Fraction of the KV cache reserved by running requests (1 = full).",
+            kv_usage.to_string(),
+        );
+        family(
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            SimStats::get(&stats.prefix_queried_tokens).to_string(),
+        );
+        family(
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+            SimStats::get(&stats.prefix_hit_tokens).to_string(),
+        );
+        family(
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Prompt tokens of the requests admitted.",
+            SimStats::get(&stats.prompt_tokens).to_string(),
+        );
+        family(
+            "vllm:generation_tokens_total",
+            "counter",
+            "Tokens generated.",
+            SimStats::get(&stats.generated_tokens).to_string(),
+        );
+        let _ = writeln!(
+            text,
+            "# HELP tgi_queue_size Requests waiting.\n# TYPE tgi_queue_size gauge\ntgi_queue_size {waiting}\n\
+             # HELP tgi_batch_current_size Requests in the batch.\n# TYPE tgi_batch_current_size gauge\ntgi_batch_current_size {running}"
+        );
+        text
+    }
+
     fn draw_fate(&self) -> Fate {
         let faults = &self.config.faults;
         if faults.fail_fraction <= 0.0 && faults.hang_fraction <= 0.0 {
@@ -432,30 +724,44 @@ impl SimState {
         response
     }
 
-    /// Waits for a slot in FIFO order; the guard gives it back.
-    async fn take_slot(&self) -> SlotGuard {
+    /// Waits in FIFO order for the KV reservation (when limited), then for a slot (per-request
+    /// batching); the admission gives both back when dropped.
+    async fn take_slot(&self, ask: &Ask) -> SlotGuard {
         self.stats.waiting.fetch_add(1, Ordering::SeqCst);
         let waiting = WaitingGuard(Arc::clone(&self.stats));
+        let reserved = Self::reservation(&ask.prompt, ask.max_tokens);
+        let kv = match &self.kv {
+            Some(kv) => Some(
+                Arc::clone(kv)
+                    .acquire_many_owned(permit_count(reserved))
+                    .await
+                    .expect("the KV semaphore is never closed"),
+            ),
+            None => None,
+        };
         let permit = Arc::clone(&self.slots)
             .acquire_owned()
             .await
             .expect("the slot semaphore is never closed");
         drop(waiting);
-        self.stats.decoding.fetch_add(1, Ordering::SeqCst);
         SlotGuard {
-            stats: Arc::clone(&self.stats),
+            admission: self.admitted(&ask.prompt, reserved, kv),
             _permit: permit,
         }
     }
 
-    /// Prefill then `tokens` decode steps; calls `on_token(index)` after each step and stops
-    /// early when it returns false. Returns whether every token was produced.
-    async fn decode(&self, tokens: u32, mut on_token: impl AsyncTokenSink) -> bool {
-        let mut deadline = Instant::now() + self.config.prefill();
-        if !self.config.prefill().is_zero() {
+    /// Prefill then `ask.max_tokens` decode steps (per-request batching); calls
+    /// `on_token(index)` after each step and stops early when it returns false. Returns whether
+    /// every token was produced.
+    async fn decode(&self, ask: &Ask, slot: &SlotGuard, mut on_token: impl AsyncTokenSink) -> bool {
+        let admission = &slot.admission;
+        let prefill = self.config.prefill(admission.uncached_tokens);
+        let mut deadline = Instant::now() + prefill;
+        if !prefill.is_zero() {
             tokio::time::sleep_until(deadline).await;
         }
-        for index in 0..tokens {
+        self.remember(&ask.prompt, 0, admission);
+        for index in 0..ask.max_tokens {
             let batch = self.stats.decoding.load(Ordering::SeqCst);
             deadline += self.config.step(batch);
             tokio::time::sleep_until(deadline).await;
@@ -463,50 +769,107 @@ impl SimState {
                 SimStats::bump(&self.stats.closed_mid_stream);
                 return false;
             }
+            self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
             if !on_token.token(index).await {
                 return false;
             }
         }
+        self.remember(&ask.prompt, ask.max_tokens, admission);
         true
     }
 
     async fn answer_whole(&self, ask: Ask) -> Response<SimBody> {
-        let _slot = self.take_slot().await;
-        let finished = self.decode(ask.max_tokens, NoSink).await;
+        let slot = self.take_slot(&ask).await;
+        let finished = self.decode(&ask, &slot, NoSink).await;
         if !finished {
             return closing_response(&self.config.name);
         }
         SimStats::bump(&self.stats.completed);
-        let text = " tok".repeat(ask.max_tokens as usize);
+        self.whole_answer(ask.max_tokens)
+    }
+
+    /// The JSON document of a whole answer of `tokens` tokens.
+    fn whole_answer(&self, tokens: u32) -> Response<SimBody> {
         self.json(
             StatusCode::OK,
             json!({
-                "generated_text": text,
-                "details": {"generated_tokens": ask.max_tokens, "finish_reason": "length"},
+                "generated_text": TOKEN_TEXT.repeat(tokens as usize),
+                "details": {"generated_tokens": tokens, "finish_reason": "length"},
             }),
         )
     }
 
     fn stream(self: &Arc<Self>, ask: Ask) -> Response<SimBody> {
-        let (sender, receiver) = mpsc::channel(16);
+        let (sender, receiver) = mpsc::unbounded_channel();
         let state = Arc::clone(self);
         tokio::spawn(async move {
-            let _slot = state.take_slot().await;
+            let slot = state.take_slot(&ask).await;
             let sink = EventSink {
                 sender: sender.clone(),
             };
-            if state.decode(ask.max_tokens, sink).await {
+            if state.decode(&ask, &slot, sink).await {
                 if sender
                     .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
-                    .await
                     .is_ok()
                 {
                     SimStats::bump(&state.stats.completed);
                 }
             } else {
-                let _ = sender.send(Err(ClosedMidStream)).await;
+                let _ = sender.send(Err(ClosedMidStream));
             }
         });
+        self.event_stream(receiver)
+    }
+
+    /// Hands a streamed request to the engine loop (stepped batching).
+    fn stream_stepped(
+        &self,
+        engine: &mpsc::UnboundedSender<engine::Job>,
+        ask: Ask,
+    ) -> Response<SimBody> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        self.submit(engine, ask, engine::Output::Stream(sender));
+        self.event_stream(receiver)
+    }
+
+    /// Hands a whole-answer request to the engine loop and waits for its end (stepped batching).
+    async fn answer_whole_stepped(
+        &self,
+        engine: &mpsc::UnboundedSender<engine::Job>,
+        ask: Ask,
+    ) -> Response<SimBody> {
+        let (sender, receiver) = oneshot::channel();
+        let tokens = ask.max_tokens;
+        self.submit(engine, ask, engine::Output::Whole(sender));
+        match receiver.await {
+            Ok(true) => self.whole_answer(tokens),
+            _ => closing_response(&self.config.name),
+        }
+    }
+
+    fn submit(
+        &self,
+        engine: &mpsc::UnboundedSender<engine::Job>,
+        ask: Ask,
+        output: engine::Output,
+    ) {
+        self.stats.waiting.fetch_add(1, Ordering::SeqCst);
+        let job = engine::Job {
+            prompt: ask.prompt,
+            max_tokens: ask.max_tokens,
+            output,
+        };
+        if engine.send(job).is_err() {
+            // The engine loop has stopped with the replica; the connection goes with it.
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A server-sent events answer fed from `receiver`.
+    fn event_stream(
+        &self,
+        receiver: mpsc::UnboundedReceiver<Result<Bytes, ClosedMidStream>>,
+    ) -> Response<SimBody> {
         let mut response = Response::new(ChannelBody { receiver }.boxed());
         let headers = response.headers_mut();
         headers.insert(
@@ -521,14 +884,24 @@ impl SimState {
     }
 
     fn json(&self, status: StatusCode, value: Value) -> Response<SimBody> {
-        let body = Full::new(Bytes::from(value.to_string()))
-            .map_err(|never: Infallible| match never {})
-            .boxed();
-        let mut response = Response::new(body);
+        let mut response = self.text(value.to_string());
         *response.status_mut() = status;
         response.headers_mut().insert(
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+
+    /// 200 with `body` as plain text.
+    fn text(&self, body: String) -> Response<SimBody> {
+        let body = Full::new(Bytes::from(body))
+            .map_err(|never: Infallible| match never {})
+            .boxed();
+        let mut response = Response::new(body);
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
         );
         self.name_response(response)
     }
@@ -541,10 +914,15 @@ impl SimState {
     }
 }
 
+/// A reservation as semaphore permits (reservations never exceed the capacity, itself capped).
+fn permit_count(tokens: u64) -> u32 {
+    u32::try_from(tokens).unwrap_or(u32::MAX)
+}
+
 /// A response whose body fails at once, so the connection is closed without a complete answer.
 fn closing_response(name: &str) -> Response<SimBody> {
-    let (sender, receiver) = mpsc::channel(1);
-    let _ = sender.try_send(Err(ClosedMidStream));
+    let (sender, receiver) = mpsc::unbounded_channel();
+    let _ = sender.send(Err(ClosedMidStream));
     let mut response = Response::new(ChannelBody { receiver }.boxed());
     if let Ok(name) = HeaderValue::from_str(name) {
         response.headers_mut().insert(REPLICA_HEADER, name);
@@ -561,16 +939,10 @@ impl Drop for WaitingGuard {
     }
 }
 
-/// A slot held by a request; dropping it frees the slot.
+/// A slot held by a request (per-request batching); dropping it frees the slot and the KV.
 struct SlotGuard {
-    stats: Arc<SimStats>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Drop for SlotGuard {
-    fn drop(&mut self) {
-        self.stats.decoding.fetch_sub(1, Ordering::SeqCst);
-    }
+    admission: Admission,
+    _permit: OwnedSemaphorePermit,
 }
 
 /// Receives each decoded token.
@@ -590,21 +962,25 @@ impl AsyncTokenSink for NoSink {
 
 /// Sends one server-sent event per token.
 struct EventSink {
-    sender: mpsc::Sender<Result<Bytes, ClosedMidStream>>,
+    sender: mpsc::UnboundedSender<Result<Bytes, ClosedMidStream>>,
 }
 
 impl AsyncTokenSink for EventSink {
     async fn token(&mut self, index: u32) -> bool {
-        let event = format!(
-            "data: {{\"token\":{{\"id\":{index},\"text\":\" tok\",\"logprob\":0.0,\"special\":false}},\"generated_text\":null}}\n\n"
-        );
-        self.sender.send(Ok(Bytes::from(event))).await.is_ok()
+        self.sender.send(Ok(token_event(index))).is_ok()
     }
+}
+
+/// The server-sent event of token `index`.
+fn token_event(index: u32) -> Bytes {
+    Bytes::from(format!(
+        "data: {{\"token\":{{\"id\":{index},\"text\":\"{TOKEN_TEXT}\",\"logprob\":0.0,\"special\":false}},\"generated_text\":null}}\n\n"
+    ))
 }
 
 /// A body fed from a channel: each item becomes one data frame or ends the body with an error.
 struct ChannelBody {
-    receiver: mpsc::Receiver<Result<Bytes, ClosedMidStream>>,
+    receiver: mpsc::UnboundedReceiver<Result<Bytes, ClosedMidStream>>,
 }
 
 impl Body for ChannelBody {

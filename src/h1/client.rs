@@ -587,6 +587,7 @@ fn parse_head(
         lines.clear();
     }
     let mut seen = Passthrough::default();
+    let (mut content_type_at, mut retry_after_at) = (None, None);
     for &(name_start, name_end, value_start, value_end) in spans {
         let (raw_name, raw_value) = (field(name_start, name_end), field(value_start, value_end));
         match hop_by_hop(raw_name) {
@@ -620,12 +621,16 @@ fn parse_head(
         let Some(lines) = lines.as_deref_mut() else {
             continue;
         };
+        // Where the value will be in the lines: the proxy's copies are slices of the lines, not
+        // of the head, so that the head's read buffer is not held while the body streams.
+        let value_at = lines.len() + raw_name.len() + 2;
+        let value_at = value_at..value_at + raw_value.len();
         if raw_name.eq_ignore_ascii_case(b"date") {
             seen.has_date = true;
         } else if raw_name.eq_ignore_ascii_case(b"content-type") {
-            seen.content_type = Some(head.slice(value_start as usize..value_end as usize));
+            content_type_at = Some(value_at);
         } else if raw_name.eq_ignore_ascii_case(b"retry-after") {
-            seen.retry_after = Some(head.slice(value_start as usize..value_end as usize));
+            retry_after_at = Some(value_at);
         }
         append_field(lines, raw_name, raw_value);
     }
@@ -634,6 +639,8 @@ fn parse_head(
     match lines {
         Some(lines) if !connection_names_fields => {
             seen.lines = lines.split().freeze();
+            seen.content_type = content_type_at.map(|at| seen.lines.slice(at));
+            seen.retry_after = retry_after_at.map(|at| seen.lines.slice(at));
             passthrough = Some(seen);
         }
         _ => {

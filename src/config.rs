@@ -495,8 +495,8 @@ const MAX_AUTO_CONNECTIONS: u64 = 65_536;
 /// The least connections `max_connections = "auto"` allows.
 const MIN_AUTO_CONNECTIONS: u64 = 64;
 
-/// The process's open-file limit (the soft `RLIMIT_NOFILE`).
-pub fn open_file_limit() -> Option<u64> {
+/// The process's `RLIMIT_NOFILE`, soft and hard.
+fn nofile() -> Option<libc::rlimit> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -504,35 +504,30 @@ pub fn open_file_limit() -> Option<u64> {
     // SAFETY: `getrlimit` writes the limit into the struct it is given, which lives on the stack
     // for the call.
     let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    (read == 0).then_some(limit)
+}
+
+/// The process's open-file limit (the soft `RLIMIT_NOFILE`).
+pub fn open_file_limit() -> Option<u64> {
     #[allow(clippy::unnecessary_cast)] // `rlim_t` is not `u64` on every target.
-    (read == 0).then_some(limit.rlim_cur as u64)
+    nofile().map(|limit| limit.rlim_cur as u64)
 }
 
 /// Raises the soft open-file limit to the hard one (as the Go runtime does at start, and nginx's
 /// `worker_rlimit_nofile`): a proxy holds two descriptors per stream, and the usual soft limit of
 /// 1024 would cap it near 500 streams. Returns the limit in force afterwards.
 pub fn raise_open_file_limit() -> Option<u64> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: as in `open_file_limit`; `setrlimit` only reads the struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return None;
-        }
-        if limit.rlim_cur < limit.rlim_max {
-            let raised = libc::rlimit {
-                rlim_cur: limit.rlim_max,
-                rlim_max: limit.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                limit = raised;
-            }
-        }
+    let limit = nofile()?;
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: `setrlimit` only reads the struct it is given.
+        // The result is read back below, whether or not the raise was allowed.
+        let _ = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) };
     }
-    #[allow(clippy::unnecessary_cast)] // `rlim_t` is not `u64` on every target.
-    Some(limit.rlim_cur as u64)
+    open_file_limit()
 }
 
 /// `max_connections = "auto"` for an open-file limit: two descriptors a connection, less those

@@ -166,15 +166,7 @@ impl<S: Transport> Connection<S> {
             Poll::Ready(Ok(written)) => written,
             Poll::Pending => 0,
         };
-        // What of the body went out with the head.
-        let body_written = written.saturating_sub(self.write.len());
-        let written = written.min(self.write.len());
-        if let Some(rest) = rest_of_body.as_mut() {
-            rest.advance(body_written);
-            if rest.is_empty() {
-                rest_of_body = None;
-            }
-        }
+        let written = consume_written(written, self.write.len(), &mut rest_of_body);
         let whole = written == self.write.len() && rest_of_body.is_none() && body.is_whole();
         let outcome = if whole {
             let Connection {
@@ -362,6 +354,19 @@ struct Pending<'a> {
     first: bool,
 }
 
+/// Splits `written` bytes of a write of a head of `head_length` bytes followed by `rest_of_body`:
+/// what went past the head is taken off the body (and a body sent whole is `None` after it);
+/// returns how much of the head was written.
+fn consume_written(written: usize, head_length: usize, rest_of_body: &mut Option<Bytes>) -> usize {
+    if let Some(rest) = rest_of_body.as_mut() {
+        rest.advance(written.saturating_sub(head_length));
+        if rest.is_empty() {
+            *rest_of_body = None;
+        }
+    }
+    written.min(head_length)
+}
+
 /// Writes what is left of the head, then the body.
 ///
 /// Every write after the first must make progress within `stall` (when set): a backend that
@@ -385,13 +390,7 @@ async fn write_request(
         };
         match written {
             Ok(0) | Err(_) => return Err(WriteError::Unsent),
-            Ok(written) => {
-                let body_written = written.saturating_sub(head.len());
-                head = &head[written.min(head.len())..];
-                if let Some(rest) = rest_of_body.as_mut() {
-                    rest.advance(body_written);
-                }
-            }
+            Ok(written) => head = &head[consume_written(written, head.len(), &mut rest_of_body)..],
         }
     }
     if let Some(bytes) = rest_of_body {

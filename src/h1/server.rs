@@ -964,12 +964,8 @@ async fn write_response<B: Answer>(
                     write_all_vectored(writer, &mut parts).await?;
                     out.clear();
                     if end {
-                        drop(body);
-                        let complete = match framing {
-                            Outgoing::Length(length) => sent == length,
-                            _ => true,
-                        };
-                        return Ok(!close && complete && framing != Outgoing::Close);
+                        // The last chunk went out with it: nothing is left in `out`.
+                        break;
                     }
                     continue;
                 }

@@ -21,6 +21,8 @@ pub mod health;
 pub mod metrics;
 pub mod observed;
 pub mod pool;
+pub mod prefix_index;
+pub mod prompt;
 pub mod proxy;
 mod request_view;
 pub mod response;

@@ -1,5 +1,5 @@
-//! Backends: their addresses, the statistics the core keeps for each, and their idle
-//! keep-alive connections.
+//! Backends: their addresses, the statistics the core keeps for each, what their engines say of
+//! their load ([`crate::engine_metrics`]), and their idle keep-alive connections.
 //!
 //! A [`Backend`] is shared (`Arc`) between the current snapshot and every request leased to it, so
 //! a backend removed from the set still counts its in-flight requests down as they finish. A set
@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use http::uri::{Authority, Scheme};
 
+use crate::engine_metrics::EngineLoad;
 use crate::h1::idle::IdleConnections;
 
 /// Why a backend address was rejected.
@@ -305,6 +306,7 @@ pub struct Backend {
     availability: Mutex<Availability>,
     connections: IdleConnections,
     strategy_slot: StrategySlot,
+    engine: EngineLoad,
 }
 
 impl Backend {
@@ -327,6 +329,7 @@ impl Backend {
             }),
             connections: IdleConnections::default(),
             strategy_slot: StrategySlot::default(),
+            engine: EngineLoad::new(),
         }
     }
 
@@ -340,6 +343,12 @@ impl Backend {
     /// value and must tell its own state from it (e.g. by a generation number stored in `T`).
     pub fn strategy_slot<T: Default + Send + Sync + 'static>(&self) -> &T {
         self.strategy_slot.get()
+    }
+
+    /// What its inference engine last said of its load (`[engine_metrics]`; never scraped while
+    /// that is off, so [`EngineLoad::snapshot`] reads `None`).
+    pub fn engine(&self) -> &EngineLoad {
+        &self.engine
     }
 
     /// Its idle keep-alive connections (plain-HTTP backends).

@@ -4,7 +4,7 @@
 //! configures, defined in that component with its defaults: `[queue]` ([`QueueConfig`]),
 //! `[latency]` ([`LatencyConfig`]), `[availability]` ([`AvailabilityConfig`]), `[retry]`
 //! ([`RetryConfig`], with `[retry.budget]`), `[upstream]` ([`UpstreamConfig`]), `[limits]`
-//! ([`Limits`]), `[admin]` ([`AdminConfig`]), plus `[shutdown]` ([`ShutdownConfig`]) and the
+//! ([`Limits`]), `[admin]` ([`AdminConfig`]), `[engine_metrics]` ([`EngineMetricsConfig`]), plus `[shutdown]` ([`ShutdownConfig`]) and the
 //! strategy's `[strategy]`; the listener and process settings are top-level keys. Each section is
 //! handed to its component as it is: durations are [`Duration`]s, read from seconds by
 //! [`crate::forms`], and no number is copied into a second struct.
@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::admin::AdminConfig;
 use crate::balancer::{AvailabilityConfig, QueueConfig, Tuning};
+use crate::engine_metrics::EngineMetricsConfig;
 use crate::forms::Count;
 use crate::h1::server::Limits;
 use crate::proxy::RetryConfig;
@@ -246,6 +247,31 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "seconds in-flight requests may take to finish once the listener is closed",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_ENGINE_METRICS",
+        key: "engine_metrics.kind",
+        help: "read each backend's engine load from its metrics: off, vllm, sglang, tgi or auto",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ENGINE_METRICS_INTERVAL",
+        key: "engine_metrics.interval",
+        help: "seconds between scrapes of each backend's engine metrics (0.1 to 10)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ENGINE_METRICS_PATH",
+        key: "engine_metrics.path",
+        help: "path of the backends' metrics endpoint",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ENGINE_METRICS_TIMEOUT",
+        key: "engine_metrics.timeout",
+        help: "seconds one scrape may take (unset: the interval)",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_ENGINE_METRICS_STALE_AFTER",
+        key: "engine_metrics.stale_after",
+        help: "seconds after which a backend's engine values are no longer used (unset: 3 intervals)",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_ADMIN_TOKEN",
         key: "admin.token",
         help: "bearer token required by set-backends (unset: no token)",
@@ -396,6 +422,8 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     /// Protections of the admin API.
     pub admin: AdminConfig,
+    /// Scrapes of the backends' engine metrics (the engine-metrics scraper).
+    pub engine_metrics: EngineMetricsConfig,
 }
 
 impl Default for Config {
@@ -420,6 +448,7 @@ impl Default for Config {
             limits: Limits::default(),
             shutdown: ShutdownConfig::default(),
             admin: AdminConfig::default(),
+            engine_metrics: EngineMetricsConfig::default(),
         }
     }
 }
@@ -794,11 +823,49 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             ),
         ));
     }
+    validate_engine_metrics(&config.engine_metrics, locate)?;
     let alpha = config.latency.ewma_alpha;
     if !(alpha > 0.0 && alpha <= 1.0) {
         return Err(ConfigError::new(
             locate("latency.ewma_alpha"),
             format!("expected a number in (0, 1], found {alpha}"),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_engine_metrics(
+    engine: &EngineMetricsConfig,
+    locate: &dyn Fn(&str) -> String,
+) -> Result<(), ConfigError> {
+    let interval = engine.interval;
+    if !(EngineMetricsConfig::MIN_INTERVAL..=EngineMetricsConfig::MAX_INTERVAL).contains(&interval)
+    {
+        return Err(ConfigError::new(
+            locate("engine_metrics.interval"),
+            format!(
+                "expected 0.1 to 10 seconds, found {}",
+                interval.as_secs_f64()
+            ),
+        ));
+    }
+    if let Some(stale_after) = engine.stale_after {
+        if stale_after < interval {
+            return Err(ConfigError::new(
+                locate("engine_metrics.stale_after"),
+                format!(
+                    "expected at least engine_metrics.interval ({} seconds), found {}",
+                    interval.as_secs_f64(),
+                    stale_after.as_secs_f64()
+                ),
+            ));
+        }
+    }
+    let path = &engine.path;
+    if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+        return Err(ConfigError::new(
+            locate("engine_metrics.path"),
+            format!("expected a path starting with '/', found {path:?}"),
         ));
     }
     Ok(())

@@ -6,7 +6,9 @@
 //!
 //! - [`seconds`]: more than 0;
 //! - [`seconds_or_zero`]: 0 or more (0 is no time at all);
-//! - [`seconds_or_off`]: 0 or more read into an `Option`, 0 being `None` (a limit that is off).
+//! - [`seconds_or_off`]: 0 or more read into an `Option`, 0 being `None` (a limit that is off);
+//! - [`optional_seconds`]: more than 0 read into an `Option`, absent being `None` (a default that
+//!   follows another setting).
 //!
 //! Every form refuses negative, non-finite and huge values (1e9 s or more) with one message naming
 //! what was expected; the caller of the deserializer names the key.
@@ -96,6 +98,37 @@ pub mod seconds_or_off {
     ) -> Result<Option<Duration>, D::Error> {
         let duration = read_seconds(deserializer, true)?;
         Ok((!duration.is_zero()).then_some(duration))
+    }
+}
+
+/// Seconds, more than 0, as an optional [`Duration`]: absent is `None`, for a setting whose
+/// default follows another one (the component that reads it says which).
+pub mod optional_seconds {
+    use super::*;
+
+    /// Writes the duration as seconds, `None` as nothing.
+    pub fn serialize<S: Serializer>(
+        duration: &Option<Duration>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match duration {
+            Some(duration) => serializer.serialize_some(&duration.as_secs_f64()),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    /// Reads seconds; 0, negative, non-finite and huge values are errors.
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        match Option::<f64>::deserialize(deserializer)? {
+            None => Ok(None),
+            Some(value) => read_seconds(
+                serde::de::value::F64Deserializer::<D::Error>::new(value),
+                false,
+            )
+            .map(Some),
+        }
     }
 }
 

@@ -14,6 +14,8 @@ pub mod cidr;
 pub mod classify;
 pub mod config;
 pub mod discovery;
+pub mod engine_metrics;
+pub mod engine_scrape;
 pub mod forms;
 pub mod forwarding;
 pub mod h1;

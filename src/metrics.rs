@@ -63,6 +63,9 @@ pub mod names {
     pub const DNS_LOOKUP_FAILURES: &str = "custom_router_dns_lookup_failures";
     /// Counter: configuration reloads, by `result` (`ok`, `error`).
     pub const CONFIG_RELOADS: &str = "custom_router_config_reloads";
+    /// Counter `custom_router_engine_scrapes_total{outcome}`: scrapes of backends' engine
+    /// metrics (`[engine_metrics]`), by outcome.
+    pub const ENGINE_SCRAPES: &str = "custom_router_engine_scrapes";
 }
 
 /// Why an attempt was sent again.
@@ -90,6 +93,39 @@ impl RetryReason {
             RetryReason::Connect => "connect",
             RetryReason::Busy => "busy",
             RetryReason::Idempotent => "idempotent",
+        }
+    }
+}
+
+/// How a scrape of a backend's engine metrics ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScrapeOutcome {
+    /// The text was read and the backend's values replaced.
+    Ok,
+    /// The backend could not be reached, or did not answer 2xx.
+    Failed,
+    /// The scrape took longer than `engine_metrics.timeout`.
+    Timeout,
+    /// The answer was not the exposition format, or named none of the engine's metrics.
+    Invalid,
+}
+
+impl ScrapeOutcome {
+    /// Every outcome.
+    pub const ALL: [ScrapeOutcome; 4] = [
+        ScrapeOutcome::Ok,
+        ScrapeOutcome::Failed,
+        ScrapeOutcome::Timeout,
+        ScrapeOutcome::Invalid,
+    ];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScrapeOutcome::Ok => "ok",
+            ScrapeOutcome::Failed => "failed",
+            ScrapeOutcome::Timeout => "timeout",
+            ScrapeOutcome::Invalid => "invalid",
         }
     }
 }
@@ -134,6 +170,8 @@ pub struct Metrics {
     pub dns_lookup_failures: Counter<u64>,
     /// Configuration reloads (SIGHUP), by result.
     config_reloads: Counter<u64>,
+    /// Engine-metrics scrapes, by outcome.
+    engine_scrapes: Counter<u64>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -255,6 +293,12 @@ impl Metrics {
                 "result",
                 &["ok", "error"],
             ),
+            engine_scrapes: labelled(
+                names::ENGINE_SCRAPES,
+                "Scrapes of the backends' engine metrics, by outcome",
+                "outcome",
+                &ScrapeOutcome::ALL.map(ScrapeOutcome::as_str),
+            ),
             registry,
             provider,
         })
@@ -265,6 +309,12 @@ impl Metrics {
         let result = if ok { "ok" } else { "error" };
         self.config_reloads
             .add(1, &[KeyValue::new("result", result)]);
+    }
+
+    /// Counts one scrape of a backend's engine metrics.
+    pub fn count_engine_scrape(&self, outcome: ScrapeOutcome) {
+        self.engine_scrapes
+            .add(1, &[KeyValue::new("outcome", outcome.as_str())]);
     }
 
     /// Counts one retry.

@@ -101,7 +101,7 @@ impl std::fmt::Debug for Reloader {
 
 /// Keys read only at start (dotted, a section standing for all its keys): a reload that changes
 /// them logs that they need a restart.
-const RESTART_KEYS: [&str; 10] = [
+const RESTART_KEYS: [&str; 11] = [
     "host",
     "port",
     "backends",
@@ -112,6 +112,7 @@ const RESTART_KEYS: [&str; 10] = [
     "state_log_interval",
     "shutdown",
     "retry.budget",
+    "engine_metrics",
 ];
 
 /// The value at a dotted `key` of a configuration as JSON (`None` if there is none).
@@ -327,6 +328,11 @@ impl Router {
             config.state_log_interval,
         ));
         let reaper = tokio::spawn(reap_idle_connections(Arc::clone(&shared.balancer)));
+        let engine_scraper = crate::engine_scrape::spawn(
+            Arc::clone(&shared.balancer),
+            Arc::clone(&shared.client),
+            config.engine_metrics.clone(),
+        );
         let discovery = settings.discovery();
         let discovery = discovery
             .has_dns()
@@ -371,6 +377,9 @@ impl Router {
         }
         state_log.abort();
         reaper.abort();
+        if let Some(engine_scraper) = engine_scraper {
+            engine_scraper.abort();
+        }
         if let Some(traces) = &shared.traces {
             // Export the spans still batched.
             traces.shutdown();

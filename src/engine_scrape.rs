@@ -1,0 +1,184 @@
+//! The engine-metrics scraper: one task per router that reads every backend's metrics endpoint
+//! each `engine_metrics.interval` and stores what [`crate::engine_metrics::parse`] makes of it on
+//! the backend ([`crate::backend::Backend::engine`]).
+//!
+//! Each tick the task takes the balancer's current backend set. A backend whose previous scrape
+//! is still running is left out of that tick; every other one gets a scrape, and all of them run
+//! at once inside the task, each bounded by `engine_metrics.timeout`, so a slow backend delays
+//! no other. A backend that left the set has its scrape dropped at the next tick and gets no
+//! more; a new one is scraped at the next tick. The first tick is at once, so a router that
+//! starts (or takes over) has every backend's picture within one interval.
+//!
+//! Requests go through the router's upstream client ([`UpstreamClient`], the one proxying and
+//! readmission probes use), as a bodiless `GET` on the backend's keep-alive connections; the
+//! body is read to its end, so the connection goes back to the backend's idle stack. A TGI
+//! backend is also asked `GET /info` until it answers once, for its capacity. Every scrape is
+//! counted by outcome (`custom_router_engine_scrapes_total`); a failed one leaves the backend's
+//! last values to go stale.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use futures_util::StreamExt as _;
+use futures_util::stream::FuturesUnordered;
+use http_body_util::{BodyExt as _, Limited};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::backend::Backend;
+use crate::balancer::Balancer;
+use crate::body::UpstreamBody;
+use crate::engine_metrics::{self, Engine, EngineKind, EngineMetricsConfig};
+use crate::forwarding::RequestHead;
+use crate::metrics::ScrapeOutcome;
+use crate::upstream::UpstreamClient;
+
+/// The largest metrics text read (a busy vLLM serves about 100 KiB).
+const MAX_BODY: usize = 8 * 1024 * 1024;
+
+/// Where TGI says how many requests it takes at once.
+const TGI_INFO_PATH: &str = "/info";
+
+/// Starts the scraper for `config` on the current runtime, or nothing when `kind` is off. The
+/// task runs until it is aborted.
+pub fn spawn(
+    balancer: Arc<Balancer>,
+    client: Arc<ArcSwap<UpstreamClient>>,
+    config: EngineMetricsConfig,
+) -> Option<JoinHandle<()>> {
+    (config.kind != EngineKind::Off).then(|| tokio::spawn(run(balancer, client, config)))
+}
+
+type Scrape = Pin<Box<dyn Future<Output = (u64, Option<ScrapeOutcome>)> + Send>>;
+
+/// Scrapes `balancer`'s backends every `config.interval`, forever.
+pub async fn run(
+    balancer: Arc<Balancer>,
+    client: Arc<ArcSwap<UpstreamClient>>,
+    config: EngineMetricsConfig,
+) {
+    let config = Arc::new(config);
+    let mut ticker = tokio::time::interval(config.interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut scrapes: FuturesUnordered<Scrape> = FuturesUnordered::new();
+    // Per backend id with a scrape under way: dropping the sender drops that scrape.
+    let mut running: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {
+                let backends = balancer.backends();
+                running.retain(|id, _| backends.iter().any(|b| b.id() == *id));
+                for backend in backends.iter() {
+                    if running.contains_key(&backend.id()) {
+                        continue;
+                    }
+                    let (stop, stopped) = oneshot::channel();
+                    running.insert(backend.id(), stop);
+                    scrapes.push(scrape_until_dropped(
+                        Arc::clone(backend),
+                        Arc::clone(&client),
+                        Arc::clone(&config),
+                        stopped,
+                    ));
+                }
+            }
+            Some((id, outcome)) = scrapes.next(), if !scrapes.is_empty() => {
+                if let Some(outcome) = outcome {
+                    running.remove(&id);
+                    balancer.metrics().count_engine_scrape(outcome);
+                }
+            }
+        }
+    }
+}
+
+/// One scrape of `backend`, given up (with no outcome) when `stopped` fires or its sender is
+/// dropped.
+fn scrape_until_dropped(
+    backend: Arc<Backend>,
+    client: Arc<ArcSwap<UpstreamClient>>,
+    config: Arc<EngineMetricsConfig>,
+    stopped: oneshot::Receiver<()>,
+) -> Scrape {
+    let id = backend.id();
+    Box::pin(async move {
+        tokio::select! {
+            outcome = scrape(&backend, &client, &config) => (id, Some(outcome)),
+            _ = stopped => (id, None),
+        }
+    })
+}
+
+/// Scrapes `backend` once and stores what it said; for TGI, asks `/info` while it has not
+/// answered. Each of the two requests is bounded by the timeout.
+pub async fn scrape(
+    backend: &Arc<Backend>,
+    client: &ArcSwap<UpstreamClient>,
+    config: &EngineMetricsConfig,
+) -> ScrapeOutcome {
+    let timeout = config.timeout();
+    let text = match tokio::time::timeout(timeout, get(backend, client, &config.path)).await {
+        Ok(Ok(text)) => text,
+        Ok(Err(outcome)) => return outcome,
+        Err(_) => return ScrapeOutcome::Timeout,
+    };
+    // A busy engine's text takes a millisecond or two to parse: off the runtime's threads, so
+    // that requests are not held up meanwhile.
+    let kind = config.kind;
+    let parsed = tokio::task::spawn_blocking(move || match std::str::from_utf8(&text) {
+        Ok(text) => engine_metrics::parse(text, kind).map_err(|error| error.to_string()),
+        Err(_) => Err("not UTF-8".to_owned()),
+    })
+    .await;
+    let reading = match parsed {
+        Ok(Ok(reading)) => reading,
+        Ok(Err(error)) => {
+            tracing::debug!(backend = %backend.addr(), %error, "engine metrics not read");
+            return ScrapeOutcome::Invalid;
+        }
+        Err(error) => {
+            tracing::debug!(backend = %backend.addr(), %error, "engine metrics not read");
+            return ScrapeOutcome::Invalid;
+        }
+    };
+    backend
+        .engine()
+        .record(&reading, Instant::now(), config.stale_after());
+    if reading.engine == Engine::Tgi && backend.engine().wants_info() {
+        if let Ok(Ok(info)) =
+            tokio::time::timeout(timeout, get(backend, client, TGI_INFO_PATH)).await
+        {
+            let capacity = engine_metrics::parse_info(&info);
+            tracing::debug!(backend = %backend.addr(), ?capacity, "TGI /info read");
+            backend.engine().record_info(capacity);
+        }
+    }
+    ScrapeOutcome::Ok
+}
+
+/// The body of a 2xx answer to `GET path`, read whole.
+async fn get(
+    backend: &Arc<Backend>,
+    client: &ArcSwap<UpstreamClient>,
+    path: &str,
+) -> Result<Bytes, ScrapeOutcome> {
+    let mut head = RequestHead::probe(path).ok_or(ScrapeOutcome::Failed)?;
+    let client = client.load_full();
+    let response = client
+        .send(backend, &mut head, UpstreamBody::full(Bytes::new()), true)
+        .await
+        .map_err(|_| ScrapeOutcome::Failed)?;
+    if !response.status().is_success() {
+        return Err(ScrapeOutcome::Failed);
+    }
+    let body = Limited::new(response.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|_| ScrapeOutcome::Failed)?;
+    Ok(body.to_bytes())
+}

@@ -18,6 +18,7 @@ use http::uri::{Authority, Scheme};
 
 use crate::engine_metrics::EngineLoad;
 use crate::h1::idle::IdleConnections;
+use crate::prefix_index::PrefixIndex;
 
 /// Why a backend address was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -290,6 +291,15 @@ impl fmt::Debug for StrategySlot {
     }
 }
 
+/// What one request in flight adds to its backend's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InFlightWork {
+    /// Uncached prompt tokens (until the first byte).
+    pub prefill: u64,
+    /// Expected output tokens.
+    pub output: u64,
+}
+
 /// One backend, the statistics the core keeps for it (all counters are lock-free) and its idle
 /// connections.
 #[derive(Debug)]
@@ -307,11 +317,21 @@ pub struct Backend {
     connections: IdleConnections,
     strategy_slot: StrategySlot,
     engine: EngineLoad,
+    /// Uncached prompt tokens of the requests in flight that have no first byte yet.
+    prefill_in_flight: AtomicU64,
+    /// Expected output tokens of the requests in flight.
+    work_in_flight: AtomicU64,
+    prefixes: PrefixIndex,
 }
 
 impl Backend {
-    /// A backend with no history.
+    /// A backend with no history and a prefix index of the default capacity.
     pub fn new(addr: BackendAddr) -> Self {
+        Self::with_prefix_capacity(addr, PrefixIndex::DEFAULT_CAPACITY_TOKENS)
+    }
+
+    /// A backend with no history whose prefix index holds up to `tokens` (0: none).
+    pub fn with_prefix_capacity(addr: BackendAddr, tokens: u64) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -330,6 +350,9 @@ impl Backend {
             connections: IdleConnections::default(),
             strategy_slot: StrategySlot::default(),
             engine: EngineLoad::new(),
+            prefill_in_flight: AtomicU64::new(0),
+            work_in_flight: AtomicU64::new(0),
+            prefixes: PrefixIndex::new(tokens),
         }
     }
 
@@ -428,12 +451,56 @@ impl Backend {
         self.errors[kind as usize].load(Ordering::Relaxed)
     }
 
-    pub(crate) fn acquire(&self) {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+    /// Uncached prompt tokens of the requests in flight still waiting for their first byte:
+    /// the prefill queued on the backend, as far as the router knows.
+    pub fn prefill_in_flight(&self) -> u64 {
+        self.prefill_in_flight.load(Ordering::Relaxed)
     }
 
+    /// Expected output tokens of the requests in flight ([`crate::strategy::RequestInfo::expected_output_tokens`]).
+    pub fn work_in_flight(&self) -> u64 {
+        self.work_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// The prompts recently routed here, by block hash: which prefixes its cache likely holds.
+    pub fn prefixes(&self) -> &PrefixIndex {
+        &self.prefixes
+    }
+
+    /// One more request in flight, with no work counted (tests).
+    #[cfg(test)]
+    pub(crate) fn acquire(&self) {
+        self.acquire_work(&InFlightWork::default());
+    }
+
+    /// One request fewer in flight (tests).
+    #[cfg(test)]
     pub(crate) fn release(&self) {
+        self.release_work(&InFlightWork::default(), false);
+    }
+
+    pub(crate) fn acquire_work(&self, work: &InFlightWork) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.prefill_in_flight
+            .fetch_add(work.prefill, Ordering::Relaxed);
+        self.work_in_flight
+            .fetch_add(work.output, Ordering::Relaxed);
+    }
+
+    /// The request's prefill is over (its first byte arrived).
+    pub(crate) fn prefilled(&self, work: &InFlightWork) {
+        self.prefill_in_flight
+            .fetch_sub(work.prefill, Ordering::Relaxed);
+    }
+
+    /// The request ended; `prefilling` when its first byte never came.
+    pub(crate) fn release_work(&self, work: &InFlightWork, prefilling: bool) {
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if prefilling {
+            self.prefilled(work);
+        }
+        self.work_in_flight
+            .fetch_sub(work.output, Ordering::Relaxed);
     }
 
     /// Folds one latency sample (seconds) into the EWMA: the first sample is taken as is.

@@ -30,10 +30,12 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::backend::{Backend, BackendAddr, ErrorKind};
+use crate::backend::{Backend, BackendAddr, ErrorKind, InFlightWork};
 use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::strategy::{Candidates, LatencyConfig, Outcome, RequestInfo, Strategy};
+use crate::prefix_index::PrefixIndex;
+use crate::prompt::Prompt;
+use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, RequestInfo, Strategy};
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +147,27 @@ pub struct Tuning {
     pub latency: LatencyConfig,
     /// Ejection, busy pauses, readmission probes, slow start.
     pub availability: AvailabilityConfig,
+    /// Each backend's prefix index.
+    pub prefix_index: PrefixIndexConfig,
+}
+
+/// The `[prefix_index]` section: what the router remembers of the prompts it sent to each
+/// backend ([`Backend::prefixes`]), read by strategies that route on prompts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixIndexConfig {
+    /// Prompt tokens remembered per backend, least recently routed forgotten first; about the
+    /// size of one replica's prefix cache. 0 turns the index off. Applies to backends added
+    /// after a change.
+    pub capacity_tokens: u64,
+}
+
+impl Default for PrefixIndexConfig {
+    fn default() -> Self {
+        Self {
+            capacity_tokens: PrefixIndex::DEFAULT_CAPACITY_TOKENS,
+        }
+    }
 }
 
 /// Sends readmission probes (`GET availability.health_check_path`): the balancer decides when, the
@@ -282,9 +305,19 @@ impl Balancer {
         &self.metrics
     }
 
-    /// The strategy's affinity key for `request` ([`Strategy::request_key`]).
-    pub fn request_key(&self, request: &crate::strategy::RequestView<'_>) -> Option<u64> {
-        self.strategy.load().request_key(request)
+    /// What the strategy will see of `request`: its method, its affinity key
+    /// ([`Strategy::request_key`]) and, for a strategy that reads prompts, its prompt.
+    pub fn request_info(&self, request: &crate::strategy::RequestView<'_>) -> RequestInfo {
+        let strategy = self.strategy.load();
+        RequestInfo {
+            method: request.method().clone(),
+            key: strategy.request_key(request),
+            prompt: if strategy.reads_prompts() {
+                request.prompt().cloned()
+            } else {
+                None
+            },
+        }
     }
 
     /// The strategy in use.
@@ -326,7 +359,10 @@ impl Balancer {
                 .iter()
                 .find(|b| b.addr() == &addr)
                 .cloned()
-                .unwrap_or_else(|| Arc::new(Backend::new(addr)));
+                .unwrap_or_else(|| {
+                    let tokens = self.tuning.load().prefix_index.capacity_tokens;
+                    Arc::new(Backend::with_prefix_capacity(addr, tokens))
+                });
             next.push(backend);
         }
         let next = Arc::new(next);
@@ -369,7 +405,7 @@ impl Balancer {
             if queue.waiters.is_empty() {
                 if let Some(backend) = self.pick_excluding(&info, &self.eligible.load(), &excluded)
                 {
-                    let lease = Lease::new(self, backend);
+                    let lease = Lease::new(self, backend, &info);
                     drop(queue);
                     return Ok(lease);
                 }
@@ -416,7 +452,7 @@ impl Balancer {
             let untried = Candidates::new(&eligible).excluding(tried);
             if queue.waiters.is_empty() && !untried.is_empty() {
                 if let Some(backend) = self.pick(&info, untried) {
-                    let lease = Lease::new(self, backend);
+                    let lease = Lease::new(self, backend, &info);
                     drop(queue);
                     return Ok(Some(lease));
                 }
@@ -512,7 +548,7 @@ impl Balancer {
             let Some(waiter) = queue.waiters.pop_front() else {
                 break;
             };
-            let lease = Lease::new(self, backend);
+            let lease = Lease::new(self, backend, &waiter.info);
             let waited = waiter.enqueued_at.elapsed().as_secs_f64();
             match waiter.reply.send(Ok(lease)) {
                 Ok(()) => self.metrics.queue_wait.record(waited, &[]),
@@ -656,6 +692,15 @@ pub struct Finish {
     pub bytes: u64,
 }
 
+/// The prompt tokens `backend` is expected to prefill for `prompt`: those past the longest
+/// prefix its index holds. The prompt is recorded there: it is about to be sent to it.
+fn uncached_tokens(backend: &Backend, prompt: &Prompt) -> u64 {
+    let prefixes = backend.prefixes();
+    let matched = prefixes.matched_blocks(&prompt.blocks);
+    prefixes.record(&prompt.blocks);
+    u64::from(prompt.tokens).saturating_sub(Prompt::blocks_tokens(matched))
+}
+
 /// One request's claim on a backend: counted in the backend's in-flight until dropped.
 ///
 /// [`Lease::finish`] records the outcome; a lease dropped without it (client went away) gives no
@@ -667,6 +712,10 @@ pub struct Lease {
     first_byte: Option<Duration>,
     streamed: bool,
     released: bool,
+    /// What the request adds to its backend's in-flight counters.
+    work: InFlightWork,
+    /// The backend's queued prefill when the request was dispatched.
+    queued_tokens: u64,
 }
 
 impl std::fmt::Debug for Lease {
@@ -678,8 +727,16 @@ impl std::fmt::Debug for Lease {
 }
 
 impl Lease {
-    fn new(balancer: &Arc<Balancer>, backend: Arc<Backend>) -> Self {
-        backend.acquire();
+    fn new(balancer: &Arc<Balancer>, backend: Arc<Backend>, info: &RequestInfo) -> Self {
+        let queued_tokens = backend.prefill_in_flight();
+        let work = InFlightWork {
+            prefill: info
+                .prompt
+                .as_ref()
+                .map_or(0, |prompt| uncached_tokens(&backend, prompt)),
+            output: u64::from(info.expected_output_tokens()),
+        };
+        backend.acquire_work(&work);
         balancer.leased.fetch_add(1, Ordering::Relaxed);
         Self {
             balancer: Arc::clone(balancer),
@@ -688,6 +745,8 @@ impl Lease {
             first_byte: None,
             streamed: false,
             released: false,
+            work,
+            queued_tokens,
         }
     }
 
@@ -716,10 +775,21 @@ impl Lease {
     fn first_byte_after(&mut self, elapsed: Duration) {
         if self.first_byte.is_none() {
             self.first_byte = Some(elapsed);
+            self.backend.prefilled(&self.work);
+            let seconds = elapsed.as_secs_f64();
             self.balancer
                 .metrics
                 .time_to_first_byte
-                .record(elapsed.as_secs_f64(), &[]);
+                .record(seconds, &[]);
+            self.balancer.strategy.load().on_first_byte(
+                &self.backend,
+                &FirstByte {
+                    seconds,
+                    streamed: self.streamed,
+                    uncached_tokens: self.work.prefill,
+                    queued_tokens: self.queued_tokens,
+                },
+            );
         }
     }
 
@@ -760,7 +830,8 @@ impl Lease {
     }
 
     fn release_locked(mut self) {
-        self.backend.release();
+        self.backend
+            .release_work(&self.work, self.first_byte.is_none());
         self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
         self.released = true;
     }
@@ -769,7 +840,8 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if !self.released {
-            self.backend.release();
+            self.backend
+                .release_work(&self.work, self.first_byte.is_none());
             self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
             self.balancer.capacity_freed();
         }

@@ -2,7 +2,8 @@
 //!
 //! [`Config`] composes the settings in sections, each one the settings struct of the component it
 //! configures, defined in that component with its defaults: `[queue]` ([`QueueConfig`]),
-//! `[latency]` ([`LatencyConfig`]), `[availability]` ([`AvailabilityConfig`]), `[retry]`
+//! `[latency]` ([`LatencyConfig`]), `[availability]` ([`AvailabilityConfig`]),
+//! `[prefix_index]` ([`PrefixIndexConfig`]), `[retry]`
 //! ([`RetryConfig`], with `[retry.budget]`), `[upstream]` ([`UpstreamConfig`]), `[limits]`
 //! ([`Limits`]), `[admin]` ([`AdminConfig`]), `[engine_metrics]` ([`EngineMetricsConfig`]), plus `[shutdown]` ([`ShutdownConfig`]) and the
 //! strategy's `[strategy]`; the listener and process settings are top-level keys. Each section is
@@ -30,7 +31,7 @@ use rustls::pki_types::pem::PemObject;
 use serde::{Deserialize, Serialize};
 
 use crate::admin::AdminConfig;
-use crate::balancer::{AvailabilityConfig, QueueConfig, Tuning};
+use crate::balancer::{AvailabilityConfig, PrefixIndexConfig, QueueConfig, Tuning};
 use crate::engine_metrics::EngineMetricsConfig;
 use crate::forms::Count;
 use crate::h1::server::Limits;
@@ -414,6 +415,8 @@ pub struct Config {
     pub retry: RetryConfig,
     /// Ejection, busy pauses, readmission probes, slow start (the balancer).
     pub availability: AvailabilityConfig,
+    /// What the router remembers of the prompts sent to each backend.
+    pub prefix_index: PrefixIndexConfig,
     /// Connections and timeouts to backends (the upstream client).
     pub upstream: UpstreamConfig,
     /// What client connections are held to (the HTTP/1 server; the HTTP/2 header limit too).
@@ -444,6 +447,7 @@ impl Default for Config {
             latency: LatencyConfig::default(),
             retry: RetryConfig::default(),
             availability: AvailabilityConfig::default(),
+            prefix_index: PrefixIndexConfig::default(),
             upstream: UpstreamConfig::default(),
             limits: Limits::default(),
             shutdown: ShutdownConfig::default(),
@@ -616,6 +620,7 @@ impl Settings {
             queue: self.config.queue.clone(),
             latency: self.config.latency,
             availability: self.config.availability.clone(),
+            prefix_index: self.config.prefix_index,
         }
     }
 

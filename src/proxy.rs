@@ -29,7 +29,7 @@ use crate::observed::{Observation, ObservedBody, ResponseBody};
 use crate::pool::Failure;
 use crate::response;
 use crate::retry_budget::{BudgetConfig, RetryBudget};
-use crate::strategy::{RequestInfo, RequestView};
+use crate::strategy::RequestView;
 use crate::traces::{Decision, Traces};
 use crate::upstream::UpstreamClient;
 
@@ -267,18 +267,15 @@ pub async fn proxy(
     if let Some(log) = seen.log.as_mut() {
         log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
     }
-    let info = RequestInfo {
-        method: parts.method.clone(),
-        key: balancer.request_key(&RequestView::new(
-            &parts.method,
-            &parts.uri,
-            &match &fields {
-                Some(lines) => Fields::Lines(lines),
-                None => Fields::Map(&parts.headers),
-            },
-            body.prefix(),
-        )),
-    };
+    let info = balancer.request_info(&RequestView::new(
+        &parts.method,
+        &parts.uri,
+        &match &fields {
+            Some(lines) => Fields::Lines(lines),
+            None => Fields::Map(&parts.headers),
+        },
+        body.prefix(),
+    ));
     let mut body = body;
     // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
     // it can be set.

@@ -16,6 +16,7 @@ use http::Method;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
+use crate::prompt::Prompt;
 
 /// What a strategy sees of the request it routes (kept while the request waits in the queue).
 #[derive(Debug, Clone)]
@@ -24,6 +25,9 @@ pub struct RequestInfo {
     pub method: Method,
     /// The hash of the request's affinity key, as derived by [`Strategy::request_key`].
     pub key: Option<u64>,
+    /// The prompt of an LLM request, when the strategy reads prompts
+    /// ([`Strategy::reads_prompts`]) and the body is one the core understands.
+    pub prompt: Option<Arc<Prompt>>,
 }
 
 impl Default for RequestInfo {
@@ -31,9 +35,34 @@ impl Default for RequestInfo {
         Self {
             method: Method::GET,
             key: None,
+            prompt: None,
         }
     }
 }
+
+impl RequestInfo {
+    /// Output tokens the request is expected to generate: what it asks for (`max_tokens`,
+    /// `max_new_tokens`), else [`DEFAULT_OUTPUT_TOKENS`]. The core counts this as the request's
+    /// work while it is in flight ([`Backend::work_in_flight`]).
+    pub fn expected_output_tokens(&self) -> u32 {
+        self.prompt
+            .as_ref()
+            .and_then(|prompt| prompt.max_tokens)
+            .unwrap_or(DEFAULT_OUTPUT_TOKENS)
+            .max(1)
+    }
+
+    /// The prompt's tokens (0 without a prompt).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt
+            .as_ref()
+            .map_or(0, |prompt| u64::from(prompt.tokens))
+    }
+}
+
+/// The output a request is expected to generate when it does not say (and for requests that are
+/// not LLM requests): every such request weighs the same.
+pub const DEFAULT_OUTPUT_TOKENS: u32 = 256;
 
 /// Header fields as a strategy reads them, whatever protocol carried the request. Names are
 /// given in lowercase; values are the raw bytes, in the order they came.
@@ -90,6 +119,7 @@ pub struct RequestView<'a> {
     headers: &'a dyn HeaderLookup,
     body_prefix: &'a [u8],
     json: OnceCell<Option<serde_json::Value>>,
+    prompt: OnceCell<Option<Arc<Prompt>>>,
 }
 
 impl<'a> RequestView<'a> {
@@ -106,6 +136,7 @@ impl<'a> RequestView<'a> {
             headers,
             body_prefix,
             json: OnceCell::new(),
+            prompt: OnceCell::new(),
         }
     }
 
@@ -144,6 +175,15 @@ impl<'a> RequestView<'a> {
     pub fn json(&self) -> Option<&serde_json::Value> {
         self.json
             .get_or_init(|| serde_json::from_slice(self.body_prefix).ok())
+            .as_ref()
+    }
+
+    /// The prompt of an OpenAI chat or completions request or a TGI request
+    /// ([`Prompt::of_body`]): found on the first call, at most once per request; `None` for other
+    /// bodies and for a body longer than what the core read before routing.
+    pub fn prompt(&self) -> Option<&Arc<Prompt>> {
+        self.prompt
+            .get_or_init(|| Prompt::of_body(self.body_prefix).map(Arc::new))
             .as_ref()
     }
 }
@@ -335,6 +375,22 @@ pub struct Outcome {
     pub streamed: bool,
 }
 
+/// The first byte of an answer, as reported to [`Strategy::on_first_byte`].
+#[derive(Debug, Clone, Copy)]
+pub struct FirstByte {
+    /// Seconds from dispatch to the first response body byte.
+    pub seconds: f64,
+    /// Whether the answer is a stream: then the first byte ends queueing and prefill; otherwise
+    /// it comes with the whole answer.
+    pub streamed: bool,
+    /// Prompt tokens the backend was expected to prefill: the prompt less the prefix the core's
+    /// index expected it to hold ([`Backend::prefixes`]).
+    pub uncached_tokens: u64,
+    /// Uncached prompt tokens of other requests that were waiting for their first byte on the
+    /// backend when this one was dispatched ([`Backend::prefill_in_flight`]).
+    pub queued_tokens: u64,
+}
+
 /// A routing strategy. See the module docs for the contract.
 pub trait Strategy: Send + Sync + 'static {
     /// The registry name, e.g. `"round-robin"`.
@@ -367,6 +423,17 @@ pub trait Strategy: Send + Sync + 'static {
     /// Called when a request to `backend` finishes (not when the client cancelled it). Keep
     /// what is learned per backend in [`Backend::strategy_slot`].
     fn on_outcome(&self, _backend: &Backend, _outcome: &Outcome) {}
+
+    /// Called when the first body byte of an answer from `backend` arrives (before the answer
+    /// ends: for a stream, seconds or minutes before [`Strategy::on_outcome`]).
+    fn on_first_byte(&self, _backend: &Backend, _first_byte: &FirstByte) {}
+
+    /// Whether the core should find each request's prompt for [`Strategy::pick`]
+    /// ([`RequestInfo::prompt`]); the core then also records each routed prompt in the chosen
+    /// backend's prefix index ([`Backend::prefixes`]).
+    fn reads_prompts(&self) -> bool {
+        false
+    }
 }
 
 /// A process-unique number, for a strategy instance to stamp the values it keeps in

@@ -148,20 +148,34 @@ async fn a_replica_at_its_limit_sends_requests_to_the_next_then_to_the_queue() {
 async fn the_limit_grows_while_ttfb_stays_near_its_baseline_and_shrinks_when_it_rises() {
     let balancer = balancer();
     let backends = with_backends(&balancer, &["a:1"]);
-    // Quick first bytes: the limit grows past its initial 4.
-    for _ in 0..20 {
-        let lease = admit_now(&balancer).await;
-        stream_answer(
-            lease,
-            Duration::from_millis(20),
-            Duration::from_millis(100),
-            2048,
-        )
-        .await;
+    // Rounds of as many streams as the limit allows, each with a quick first byte: the limit
+    // grows past its initial 4 (slow start: one more per first byte while it is in use).
+    let probe = admit_now(&balancer).await;
+    stream_answer(
+        probe,
+        Duration::from_millis(20),
+        Duration::from_millis(100),
+        2048,
+    )
+    .await;
+    for _ in 0..3 {
+        let mut round = admit_while_room(&balancer, 200).await;
+        for lease in &mut round {
+            lease.mark_streamed();
+        }
+        advance(Duration::from_millis(20)).await;
+        for lease in &mut round {
+            lease.mark_first_byte();
+        }
+        advance(Duration::from_millis(100)).await;
+        for lease in round {
+            lease.finish(ok(2048));
+        }
+        settle().await;
     }
     let concurrent = admit_while_room(&balancer, 51).await;
     let grown = concurrent.len();
-    assert!(grown > 4, "limit stayed at {grown}");
+    assert!(grown > 16, "limit stayed at {grown}");
     assert_eq!(backends[0].in_flight(), grown);
     // Every answer now waits 10× its baseline for its first byte: the limit comes down.
     for lease in concurrent {

@@ -11,9 +11,12 @@
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use tokio::time::Instant;
+
 use super::QueuedLeastLatency;
 use crate::backend::Backend;
-use crate::strategies::{Outcome, next_generation};
+use crate::prompt::Prompt;
+use crate::strategies::{Candidates, FirstByte, Outcome, RequestInfo, next_generation};
 
 /// Index of streamed answers' cost.
 const STREAMED: usize = 0;
@@ -59,6 +62,8 @@ struct Learned {
     own: f64,
     /// Which kinds have a cost: bit [`STREAMED`], bit [`WHOLE`].
     coverage: u8,
+    /// Seconds of prefill per uncached prompt token.
+    prefill_rate: f64,
     /// Costs and TTFB baseline.
     history: History,
 }
@@ -69,6 +74,7 @@ struct Rank {
     limit: f64,
     own: f64,
     coverage: u8,
+    prefill_rate: f64,
 }
 
 /// The part of [`Learned`] only `learn` reads (kept on the backend behind a mutex).
@@ -76,8 +82,11 @@ struct Rank {
 struct History {
     /// Cost of streamed and of whole answers.
     kinds: [KindCost; 2],
-    /// Lowest recent time to first byte, in seconds.
+    /// Lowest recent time to first byte of a stream once its predicted prefill is taken out:
+    /// the backend's own fixed delay, in seconds.
     ttfb_baseline: Option<f64>,
+    /// Whether a first byte has come later than tolerated: the limit's slow start is over.
+    congested: bool,
 }
 
 impl Learned {
@@ -86,7 +95,18 @@ impl Learned {
             limit,
             own: 1.0,
             coverage: 0,
+            prefill_rate: PRIOR_PREFILL_SECONDS_PER_TOKEN,
             history: History::default(),
+        }
+    }
+
+    fn of(rank: Rank, history: History) -> Self {
+        Self {
+            limit: rank.limit,
+            own: rank.own,
+            coverage: rank.coverage,
+            prefill_rate: rank.prefill_rate,
+            history,
         }
     }
 
@@ -97,6 +117,7 @@ impl Learned {
             limit: self.limit,
             own: self.own,
             coverage: self.coverage,
+            prefill_rate: self.prefill_rate,
         }
     }
 
@@ -139,10 +160,6 @@ pub(super) struct Fleet {
     factor: [f64; 4],
     /// How many backends learned have each coverage.
     covered: [u32; 4],
-    /// When every backend has the same coverage, the factor is common to all and only the
-    /// ordering of scores matters: a pick then uses `own` as it is, and this for a backend with
-    /// nothing learned (the fleet's mean, i.e. a relative cost of 1).
-    common: Option<f64>,
 }
 
 impl Default for Fleet {
@@ -152,7 +169,6 @@ impl Default for Fleet {
             count: [0; 2],
             factor: [1.0; 4],
             covered: [0; 4],
-            common: Some(1.0),
         }
     }
 }
@@ -187,12 +203,6 @@ impl Fleet {
             1.0 / whole,
             1.0 / (streamed * whole).sqrt(),
         ];
-        let entries: u32 = self.covered.iter().sum();
-        self.common = self
-            .covered
-            .iter()
-            .position(|&n| n == entries)
-            .map(|coverage| 1.0 / self.factor[coverage]);
     }
 
     /// How many backends are counted.
@@ -211,16 +221,6 @@ impl Fleet {
             self.covered[before] -= 1;
             self.covered[after] += 1;
             self.refresh();
-        }
-    }
-
-    /// What ranks a backend: its relative cost, or a number in the same order (see `common`).
-    fn rank_cost(&self, learned: Option<Rank>) -> f64 {
-        match (self.common, learned) {
-            (Some(_), Some(learned)) => learned.own,
-            (Some(mean), None) => mean,
-            (None, Some(learned)) => self.relative(learned),
-            (None, None) => 1.0,
         }
     }
 
@@ -256,6 +256,11 @@ pub(super) struct Slot {
     own: AtomicU64,
     /// [`Learned::coverage`].
     coverage: AtomicU8,
+    /// [`Learned::prefill_rate`], as `f64` bits.
+    prefill_rate: AtomicU64,
+    /// First bytes seen (any generation): with the finished requests, what the ramp-up room
+    /// counts, so a replica streaming long answers gets room as its first tokens arrive.
+    answered: AtomicU64,
     /// [`Learned::history`].
     history: Mutex<History>,
 }
@@ -267,6 +272,7 @@ impl Slot {
             limit: f64::from_bits(self.limit.load(Ordering::Relaxed)),
             own: f64::from_bits(self.own.load(Ordering::Relaxed)),
             coverage: self.coverage.load(Ordering::Relaxed),
+            prefill_rate: f64::from_bits(self.prefill_rate.load(Ordering::Relaxed)),
         })
     }
 
@@ -275,6 +281,8 @@ impl Slot {
         self.limit.store(learned.limit.to_bits(), Ordering::Relaxed);
         self.own.store(learned.own.to_bits(), Ordering::Relaxed);
         self.coverage.store(learned.coverage, Ordering::Relaxed);
+        self.prefill_rate
+            .store(learned.prefill_rate.to_bits(), Ordering::Relaxed);
         self.generation.store(generation, Ordering::Relaxed);
     }
 }
@@ -309,25 +317,151 @@ impl Default for LoadState {
 const BASELINE_DRIFT: f64 = 0.002;
 /// Weight of a new limit estimate.
 const LIMIT_SMOOTHING: f64 = 0.2;
+/// Prefill seconds per uncached prompt token assumed before a backend has shown its own: 10,000
+/// tokens a second, a mid-size model on one current GPU.
+pub(super) const PRIOR_PREFILL_SECONDS_PER_TOKEN: f64 = 1e-4;
+/// Prompt tokens (the request's uncached ones and those queued ahead of it) from which a first
+/// byte teaches the prefill rate: below, the backend's fixed delay dominates.
+const MIN_PREFILL_SAMPLE: u64 = 256;
+/// Weights of a prefill-rate sample below and above the current rate: the rate follows the
+/// lower envelope of the samples, as queueing only ever adds to a first byte's delay.
+const PREFILL_RATE_DOWN: f64 = 0.3;
+const PREFILL_RATE_UP: f64 = 0.05;
+
+/// What one pick needs of the fleet and of the request, gathered once per pick.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Demand<'r> {
+    /// The request's prompt blocks (empty without a prompt).
+    blocks: &'r [u64],
+    /// The request's prompt tokens.
+    prompt_tokens: u64,
+    /// Its expected output tokens.
+    output: f64,
+    /// Seconds one typical request adds to the wait of the requests it shares a backend with:
+    /// the fleet's mean latency over its mean concurrency limit.
+    unit: f64,
+    /// Tokens of output a typical request in flight is expected to generate.
+    typical_output: f64,
+    /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
+    /// relative cost, a candidate may already hold: `load_bound` times its share of the work in
+    /// flight with this request added (the least loaded candidate is always within it).
+    bound: Option<f64>,
+    /// When the pick happens, for a request with a prompt: the engines' own load signals are
+    /// read then ([`Backend::engine`]).
+    now: Option<Instant>,
+}
+
+impl<'r> Demand<'r> {
+    /// What a pick for `request` among `candidates` needs.
+    pub(super) fn of(
+        strategy: &QueuedLeastLatency,
+        request: &'r RequestInfo,
+        candidates: Candidates<'_>,
+        generation: u64,
+        fleet: &Fleet,
+    ) -> Self {
+        let output = f64::from(request.expected_output_tokens());
+        let (mut latency, mut measured, mut limits) = (0.0, 0u32, 0.0);
+        let (mut work, mut in_flight, mut speed, mut count) = (0u64, 0usize, 0.0, 0u32);
+        for (_, backend) in candidates.iter() {
+            let rank = backend.strategy_slot::<Slot>().rank(generation);
+            if let Some(ewma) = backend.ewma_latency() {
+                latency += ewma;
+                measured += 1;
+            }
+            limits += rank.map_or(strategy.initial_limit, |r| r.limit);
+            work += backend.work_in_flight();
+            in_flight += backend.in_flight();
+            speed += 1.0 / relative_cost(fleet, rank);
+            count += 1;
+        }
+        let count_f = f64::from(count.max(1));
+        let mean_latency = if measured > 0 {
+            latency / f64::from(measured)
+        } else {
+            1.0
+        };
+        let typical_output = if in_flight > 0 {
+            (work as f64 / in_flight as f64).max(1.0)
+        } else {
+            output
+        };
+        let prompt = request.prompt.as_deref();
+        let bound = (prompt.is_some() && count > 1)
+            .then(|| strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE));
+        Self {
+            blocks: prompt.map_or(&[], |p| &p.blocks),
+            prompt_tokens: prompt.map_or(0, |p| u64::from(p.tokens)),
+            output,
+            unit: mean_latency / (limits / count_f).max(1.0),
+            typical_output,
+            bound,
+            now: prompt.map(|_| Instant::now()),
+        }
+    }
+}
+
+/// A backend's cost relative to the fleet's (1.0 before it was measured).
+fn relative_cost(fleet: &Fleet, rank: Option<Rank>) -> f64 {
+    rank.map_or(1.0, |rank| fleet.relative(rank)).max(1e-9)
+}
 
 impl QueuedLeastLatency {
-    /// The load score of `backend` if it is a candidate.
+    /// Whether `backend` has shown how it answers: a finished request or a first byte.
+    fn measured(backend: &Backend, rank: Option<Rank>) -> bool {
+        backend.ewma_latency().is_some() || rank.is_some()
+    }
+
+    /// The load score of `backend` if it is a candidate: the seconds a request is expected to
+    /// spend on it before it ends, as far as they differ between backends: the work in flight
+    /// shared over the backend's parallel capacity, plus the prefill of the prompt tokens its
+    /// prefix index does not hold and of those queued ahead (see the module docs).
     pub(super) fn load_score(
         &self,
         backend: &Backend,
         generation: u64,
         fleet: &Fleet,
+        demand: &Demand<'_>,
     ) -> Option<f64> {
         let in_flight = backend.in_flight();
-        if backend.ewma_latency().is_none() {
+        let state = backend.strategy_slot::<Slot>().rank(generation);
+        if !Self::measured(backend, state) {
             return (in_flight == 0).then_some(0.0);
         }
-        let state = backend.strategy_slot::<Slot>().rank(generation);
-        let limit = state.map_or(self.initial_limit, |s| s.limit);
-        let cost = fleet.rank_cost(state);
-        let room =
-            in_flight == 0 || ((in_flight as f64) < limit && self.ramp_room(backend, in_flight));
-        room.then_some(cost * (in_flight + 1) as f64)
+        // An engine that states its capacity (TGI's `max_concurrent_requests`) is taken at its
+        // word.
+        let limit = backend
+            .engine()
+            .max_concurrent()
+            .map_or_else(|| state.map_or(self.initial_limit, |s| s.limit), f64::from);
+        let answered = backend
+            .strategy_slot::<Slot>()
+            .answered
+            .load(Ordering::Relaxed);
+        let ramp =
+            (in_flight as f64) < self.ramp_up_factor * answered.max(backend.completed()) as f64;
+        if in_flight > 0 && !((in_flight as f64) < limit && ramp) {
+            return None;
+        }
+        let relative = relative_cost(fleet, state);
+        let held = backend.work_in_flight() as f64;
+        if demand.bound.is_some_and(|bound| held * relative > bound) {
+            return None;
+        }
+        let work = held + demand.output;
+        let mut load = relative * work / demand.typical_output * demand.unit;
+        // Requests waiting inside the engine (from this router or any other) are work ahead too.
+        if let Some(engine) = demand.now.and_then(|now| backend.engine().snapshot(now)) {
+            load += f64::from(engine.waiting) * demand.unit;
+        }
+        if demand.prompt_tokens == 0 {
+            return Some(load);
+        }
+        let matched = Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks));
+        let uncached = demand.prompt_tokens.saturating_sub(matched);
+        let prefill = (backend.prefill_in_flight() + uncached) as f64
+            * state.map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate);
+        Some(load + prefill)
     }
 
     /// The current concurrency limit learned for `backend` (`load` score).
@@ -337,6 +471,15 @@ impl QueuedLeastLatency {
             .strategy_slot::<Slot>()
             .rank(generation)
             .map_or(self.initial_limit, |s| s.limit)
+    }
+
+    /// The prefill rate learned for `backend`, in seconds per uncached prompt token.
+    pub fn prefill_rate(&self, backend: &Backend) -> f64 {
+        let generation = self.load_state().generation;
+        backend
+            .strategy_slot::<Slot>()
+            .rank(generation)
+            .map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate)
     }
 
     /// Keeps what was learned about ejected or paused backends; forgets removed ones once more
@@ -353,12 +496,7 @@ impl QueuedLeastLatency {
             .filter_map(|backend| {
                 let slot = backend.strategy_slot::<Slot>();
                 let rank = slot.rank(state.generation)?;
-                let learned = Learned {
-                    limit: rank.limit,
-                    own: rank.own,
-                    coverage: rank.coverage,
-                    history: *lock(&slot.history),
-                };
+                let learned = Learned::of(rank, *lock(&slot.history));
                 slot.generation.store(generation, Ordering::Relaxed);
                 Some(learned)
             })
@@ -367,27 +505,45 @@ impl QueuedLeastLatency {
         state.fleet = Fleet::of(&kept);
     }
 
-    /// Folds `outcome` into what is learned about `backend` and into the fleet's sums.
-    pub(super) fn learn(&self, backend: &Backend, outcome: &Outcome) {
+    /// Runs `update` on what is learned about `backend` and on the fleet's sums, and stores the
+    /// result.
+    fn update(&self, backend: &Backend, update: impl FnOnce(&mut Learned, &mut Fleet)) {
         let mut guard = self.load_state();
         let LoadState { generation, fleet } = &mut *guard;
         let slot = backend.strategy_slot::<Slot>();
         let mut history = lock(&slot.history);
         let mut learned = match slot.rank(*generation) {
-            Some(rank) => Learned {
-                limit: rank.limit,
-                own: rank.own,
-                coverage: rank.coverage,
-                history: *history,
-            },
+            Some(rank) => Learned::of(rank, *history),
             None => {
                 fleet.add_entry();
                 Learned::new(self.initial_limit)
             }
         };
-        self.learn_into(&mut learned, fleet, outcome);
+        update(&mut learned, fleet);
         *history = learned.history;
         slot.store(&learned, *generation);
+    }
+
+    /// Folds `outcome` into what is learned about `backend` and into the fleet's sums.
+    pub(super) fn learn(&self, backend: &Backend, outcome: &Outcome) {
+        self.update(backend, |learned, fleet| {
+            self.learn_into(learned, fleet, outcome);
+        });
+    }
+
+    /// Folds a stream's first byte into `backend`'s prefill rate, fixed delay and limit.
+    pub(super) fn learn_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
+        let busy = backend.in_flight() as f64;
+        let _ = backend.strategy_slot::<Slot>().answered.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |n| (n < u64::from(u32::MAX)).then_some(n + 1),
+        );
+        self.update(backend, |learned, _| {
+            if first_byte.streamed {
+                self.learn_ttfb(learned, first_byte, busy);
+            }
+        });
     }
 
     fn learn_into(&self, state: &mut Learned, fleet: &mut Fleet, outcome: &Outcome) {
@@ -409,29 +565,61 @@ impl QueuedLeastLatency {
         );
         fleet.replace(kind, old, cost.cost());
         fleet.recover(state.combine());
-        // Only a stream's first byte measures queueing; a whole answer's first byte comes with
-        // its end. Once streams have set a baseline they alone move the limit; on a replica
-        // that never streamed, a whole answer counts as no sign of congestion.
-        let Some(ttfb) = outcome.first_byte.filter(|_| outcome.streamed) else {
-            if state.history.ttfb_baseline.is_some() {
-                return;
-            }
-            state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
-                + LIMIT_SMOOTHING * (state.limit + state.limit.sqrt()))
-            .min(self.max_limit);
+        // Only a stream's first byte measures queueing (see `learn_ttfb`); a whole answer's
+        // first byte comes with its end. On a replica that never streamed, a whole answer
+        // counts as no sign of congestion.
+        if outcome.streamed || state.history.ttfb_baseline.is_some() {
             return;
-        };
+        }
+        state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
+            + LIMIT_SMOOTHING * (state.limit + state.limit.sqrt()))
+        .min(self.max_limit);
+    }
+
+    /// A stream's first byte after `first_byte.seconds`, with `busy` requests in flight on the
+    /// backend now.
+    ///
+    /// The TTFB expected without congestion is the backend's fixed delay (the baseline) plus the
+    /// prefill of the prompt tokens it had to compute — this request's uncached ones and those
+    /// queued ahead of it — at its prefill rate. Within `ttfb_tolerance` × that + `ttfb_slack`,
+    /// the limit grows: by one per first byte until the first late one (slow start: it doubles
+    /// every round of `limit` requests), by about √limit / 5 after; only while the backend is
+    /// using at least half of it. A later first byte lowers it in proportion (a gradient, at
+    /// most halving the estimate).
+    fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) {
+        let ttfb = first_byte.seconds;
+        let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
+        let residual = (ttfb - prefill as f64 * state.prefill_rate).max(0.0);
         let baseline = match state.history.ttfb_baseline {
-            Some(old) if ttfb >= old => old + (ttfb - old) * BASELINE_DRIFT,
-            _ => ttfb,
+            Some(old) if residual >= old => old + (residual - old) * BASELINE_DRIFT,
+            _ => residual,
         };
         state.history.ttfb_baseline = Some(baseline);
-        let tolerated = self.ttfb_tolerance * baseline + self.ttfb_slack;
-        let gradient = (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0);
-        let target = if gradient >= 1.0 {
-            state.limit + state.limit.sqrt()
+        if prefill >= MIN_PREFILL_SAMPLE {
+            let sample = (ttfb - baseline).max(0.0) / prefill as f64;
+            let weight = if sample < state.prefill_rate {
+                PREFILL_RATE_DOWN
+            } else {
+                PREFILL_RATE_UP
+            };
+            state.prefill_rate += weight * (sample - state.prefill_rate);
+        }
+        let expected = baseline + prefill as f64 * state.prefill_rate;
+        let tolerated = self.ttfb_tolerance * expected + self.ttfb_slack;
+        let target = if ttfb <= tolerated {
+            if busy < state.limit / 2.0 {
+                return;
+            }
+            if state.history.congested {
+                state.limit + state.limit.sqrt()
+            } else {
+                // Slow start: one more per first byte, undamped.
+                state.limit = (state.limit + 1.0).min(self.max_limit);
+                return;
+            }
         } else {
-            state.limit * gradient
+            state.history.congested = true;
+            state.limit * (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0)
         };
         state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit + LIMIT_SMOOTHING * target)
             .clamp(1.0, self.max_limit);
@@ -472,35 +660,7 @@ mod tests {
         incremental.replace(STREAMED, None, Some(0.5));
         incremental.replace(STREAMED, Some(0.5), Some(0.3));
         assert!((incremental.relative(b.rank()) - fleet.relative(b.rank())).abs() < 1e-12);
-        // Mixed coverage: picks rank by the relative cost itself.
-        assert_eq!(fleet.common, None);
-        assert_eq!(fleet.rank_cost(Some(b.rank())), fleet.relative(b.rank()));
-        assert_eq!(fleet.rank_cost(None), 1.0);
-
-        // One coverage for all: ranking by `own` keeps the order of the relative costs, and a
-        // backend with nothing learned ranks as the mean.
-        let mut map = HashMap::new();
-        for (id, latency) in [(1, 1.0), (2, 3.0), (3, 2.0)] {
-            let mut learned = Learned::new(4.0);
-            learned.history.kinds[STREAMED].record(latency, 10.0);
-            learned.combine();
-            map.insert(id, learned);
-        }
-        let fleet = Fleet::of(map.values());
-        assert!(fleet.common.is_some_and(|mean| (mean - 0.2).abs() < 1e-12));
-        let ranks: Vec<f64> = (1..=3)
-            .map(|id| fleet.rank_cost(map.get(&id).map(Learned::rank)))
-            .collect();
-        let relatives: Vec<f64> = (1..=3).map(|id| fleet.relative(map[&id].rank())).collect();
-        assert!(
-            ranks
-                .iter()
-                .zip([0.1, 0.3, 0.2])
-                .all(|(rank, own)| (rank - own).abs() < 1e-12),
-            "{ranks:?}"
-        );
-        assert!((relatives[0] - 0.5).abs() < 1e-12 && (relatives[1] - 1.5).abs() < 1e-12);
-        assert!((fleet.rank_cost(None) - 0.2).abs() < 1e-12);
+        assert_eq!(relative_cost(&fleet, None), 1.0);
     }
 
     fn streamed(latency: f64, ttfb: f64) -> Outcome {
@@ -519,7 +679,9 @@ mod tests {
             .map(|i| Arc::new(Backend::new(format!("10.0.4.{i}:80").parse().unwrap())))
             .collect();
         let strategy = QueuedLeastLatency::load(3.0);
+        busy(&set[0], 4);
         for _ in 0..5 {
+            strategy.learn_first_byte(&set[0], &first_byte(0.1, 0, 0));
             strategy.learn(&set[0], &streamed(1.0, 0.1));
         }
         let learned = strategy.limit(&set[0]);
@@ -536,5 +698,86 @@ mod tests {
         strategy.forget_removed(&set);
         assert_eq!(strategy.limit(&set[0]), learned);
         assert_eq!(strategy.load_state().fleet.entries(), 1);
+    }
+
+    fn first_byte(seconds: f64, uncached_tokens: u64, queued_tokens: u64) -> FirstByte {
+        FirstByte {
+            seconds,
+            streamed: true,
+            uncached_tokens,
+            queued_tokens,
+        }
+    }
+
+    /// Puts `n` requests in flight on `backend`.
+    fn busy(backend: &Backend, n: usize) {
+        for _ in 0..n {
+            backend.acquire();
+        }
+    }
+
+    fn backend(i: u32) -> Arc<Backend> {
+        Arc::new(Backend::new(format!("10.0.6.{i}:80").parse().unwrap()))
+    }
+
+    #[test]
+    fn the_limit_doubles_each_round_of_fast_first_bytes_until_one_is_late() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(1);
+        // An engine with room for 256 streams answering its first byte in 50 ms: within 252
+        // first bytes the limit is there (not within 252 answers of several seconds each).
+        let mut sent = 0;
+        while strategy.limit(&replica) < 256.0 {
+            let limit = strategy.limit(&replica) as usize;
+            busy(&replica, limit.saturating_sub(replica.in_flight()));
+            strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+            sent += 1;
+            assert!(
+                sent <= 252,
+                "limit {} after {sent}",
+                strategy.limit(&replica)
+            );
+        }
+        // Under half of the limit in use, a fast first byte says nothing about capacity.
+        let idle = backend(2);
+        for _ in 0..50 {
+            strategy.learn_first_byte(&idle, &first_byte(0.05, 0, 0));
+        }
+        assert_eq!(strategy.limit(&idle), strategy.initial_limit);
+        // A late first byte ends the slow start: the limit drops, then grows by √limit / 5.
+        strategy.learn_first_byte(&replica, &first_byte(1.0, 0, 0));
+        let after = strategy.limit(&replica);
+        assert!(after < 256.0 * 0.95, "{after}");
+        strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+        let grown = strategy.limit(&replica) - after;
+        assert!(grown > 0.0 && grown < 0.25 * after.sqrt(), "{grown}");
+    }
+
+    #[test]
+    fn a_long_prefill_is_not_congestion_and_teaches_the_prefill_rate() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(3);
+        busy(&replica, 3);
+        // A replica with 20 ms of fixed delay prefilling 20,000 tokens a second: prompts from
+        // 500 to 32,000 uncached tokens, some with others' prefill queued ahead.
+        let rate = 1.0 / 20_000.0;
+        let mut limits = Vec::new();
+        for i in 0..200u64 {
+            let uncached = 500 + (i * 7_919) % 31_500;
+            let queued = (i % 3) * 4_000;
+            let ttfb = 0.02 + (uncached + queued) as f64 * rate;
+            strategy.learn_first_byte(&replica, &first_byte(ttfb, uncached, queued));
+            limits.push(strategy.limit(&replica));
+        }
+        let learned = strategy.prefill_rate(&replica);
+        assert!((learned / rate - 1.0).abs() < 0.25, "{learned}");
+        assert!(
+            limits.windows(2).all(|w| w[1] >= w[0]),
+            "the limit never dropped: {limits:?}"
+        );
+        // The same prompts with a second of queueing on top are late.
+        let before = strategy.limit(&replica);
+        strategy.learn_first_byte(&replica, &first_byte(1.02 + 8_000.0 * rate, 8_000, 0));
+        assert!(strategy.limit(&replica) < before);
     }
 }

@@ -24,16 +24,23 @@
 //!   (the geometric mean of the two ratios when it served both), so replicas compare on equal
 //!   terms whatever mix of answers each happened to get. A failed attempt counts as
 //!   `latency.threshold` for 1 KiB in both kinds, which keeps a failing replica last.
-//! - *Concurrency limit*: learned from time to first byte (for a streamed answer, the time to the
-//!   first token: queueing plus prefill). Each replica keeps a TTFB baseline (its lowest recent
-//!   TTFB). An answer whose TTFB stayed within `ttfb_tolerance` × baseline + `ttfb_slack` raises
-//!   the limit by about √limit; a slower one lowers it in proportion (a gradient, as in
-//!   Netflix's concurrency-limits). It starts at `initial_limit`. Once streams have set the
-//!   baseline, whole answers leave the limit alone; on a replica that never streamed, each whole
-//!   answer raises it. A measured backend is a candidate while its in-flight count is below its
-//!   limit and below `ramp_up_factor × completed`.
-//! - *Score*: relative cost × (in-flight + 1), the expected latency of one more request
-//!   (peak-EWMA style).
+//! - *Concurrency limit*: learned from each stream's first byte as it arrives. The TTFB expected
+//!   without congestion is the replica's fixed delay (baseline) plus the prefill of the uncached
+//!   prompt tokens of the request and of those queued ahead at its learned prefill rate; within
+//!   `ttfb_tolerance` × that + `ttfb_slack` (and with at least half of the limit in use) the limit
+//!   grows by one per first byte until the first late one (slow start: it doubles every round),
+//!   by about √limit / 5 after; a later first byte lowers it in proportion (a gradient, as in
+//!   Netflix's concurrency-limits). It starts at `initial_limit`; an engine's stated capacity
+//!   (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A measured backend
+//!   is a candidate while its in-flight count is below its limit and below `ramp_up_factor` ×
+//!   its first bytes (or completed requests, the larger).
+//! - *Load guard*: for a request with a prompt, a backend holding more than `load_bound` × its
+//!   share of the work in flight (expected output tokens, weighted by relative cost) is skipped.
+//! - *Score*: the expected time on the backend: relative cost × (work in flight + this
+//!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
+//!   prefill of its uncached prompt tokens (less the prefix the backend's index holds) and of those
+//!   queued there, plus the engine's own waiting requests when engine metrics are on. See
+//!   `docs/strategies.md` for a worked example.
 //!
 //! When every replica is at its limit, requests wait in the router queue instead of in a
 //! replica's own queue, so a replica added during a burst takes the waiting requests at once.
@@ -61,6 +68,7 @@
 //! ttfb_tolerance = 2.0
 //! ttfb_slack = 0.02
 //! initial_limit = 4
+//! load_bound = 1.25
 //! ```
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -71,8 +79,8 @@ use figment::value::Value;
 use serde::Deserialize;
 
 use super::{
-    Candidates, LatencyConfig, Outcome, ParamsError, RequestInfo, Strategy, StrategyContext,
-    StrategyEntry, parse_params,
+    Candidates, FirstByte, LatencyConfig, Outcome, ParamsError, RequestInfo, Strategy,
+    StrategyContext, StrategyEntry, parse_params,
 };
 use crate::backend::Backend;
 
@@ -111,6 +119,10 @@ struct Params {
     initial_limit: f64,
     /// Highest concurrency limit (`load`).
     max_limit: f64,
+    /// Load guard for requests with a prompt (`load`): a backend whose work in flight, this
+    /// request's included and weighted by its relative cost, is above this multiple of its fair
+    /// share is not a candidate (bounded load).
+    load_bound: f64,
 }
 
 impl Default for Params {
@@ -122,6 +134,7 @@ impl Default for Params {
             ttfb_slack: 0.02,
             initial_limit: 4.0,
             max_limit: 1000.0,
+            load_bound: 1.25,
         }
     }
 }
@@ -152,6 +165,7 @@ fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>,
     }
     positive("initial_limit", params.initial_limit, 1.0)?;
     positive("max_limit", params.max_limit, params.initial_limit)?;
+    positive("load_bound", params.load_bound, 1.0)?;
     Ok(Arc::new(QueuedLeastLatency::with(&params, context)))
 }
 
@@ -165,6 +179,7 @@ pub struct QueuedLeastLatency {
     ttfb_slack: f64,
     initial_limit: f64,
     max_limit: f64,
+    load_bound: f64,
     /// The load score's fleet sums and generation.
     load: Mutex<load::LoadState>,
     rotation: AtomicUsize,
@@ -180,6 +195,7 @@ impl QueuedLeastLatency {
             ttfb_slack: params.ttfb_slack,
             initial_limit: params.initial_limit,
             max_limit: params.max_limit,
+            load_bound: params.load_bound,
             load: Mutex::default(),
             rotation: AtomicUsize::new(0),
         }
@@ -280,7 +296,7 @@ impl Strategy for QueuedLeastLatency {
         ENTRY.name
     }
 
-    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
         match self.score {
             Score::Ewma => self.best(candidates, |backend| self.score(backend)),
             Score::Load => {
@@ -288,8 +304,9 @@ impl Strategy for QueuedLeastLatency {
                 // A copy the loop can keep in registers.
                 let fleet = state.fleet;
                 let generation = state.generation;
+                let demand = load::Demand::of(self, request, candidates, generation, &fleet);
                 self.best(candidates, |backend| {
-                    self.load_score(backend, generation, &fleet)
+                    self.load_score(backend, generation, &fleet, &demand)
                 })
             }
         }
@@ -299,6 +316,16 @@ impl Strategy for QueuedLeastLatency {
         if self.score == Score::Load {
             self.learn(backend, outcome);
         }
+    }
+
+    fn on_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
+        if self.score == Score::Load {
+            self.learn_first_byte(backend, first_byte);
+        }
+    }
+
+    fn reads_prompts(&self) -> bool {
+        self.score == Score::Load
     }
 
     fn on_backends_changed(&self, backends: &[Arc<Backend>]) {

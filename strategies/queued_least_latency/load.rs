@@ -344,7 +344,8 @@ pub(super) struct Demand<'r> {
     typical_output: f64,
     /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
     /// relative cost, a candidate may already hold: `load_bound` times its share of the work in
-    /// flight with this request added (the least loaded candidate is always within it).
+    /// flight with this request added (the least loaded candidate is always within it). It
+    /// applies to backends that hold part of the prompt: locality is what could pile up.
     bound: Option<f64>,
     /// When the pick happens, for a request with a prompt: the engines' own load signals are
     /// read then ([`Backend::engine`]).
@@ -445,7 +446,13 @@ impl QueuedLeastLatency {
         }
         let relative = relative_cost(fleet, state);
         let held = backend.work_in_flight() as f64;
-        if demand.bound.is_some_and(|bound| held * relative > bound) {
+        let matched = if demand.prompt_tokens == 0 {
+            0
+        } else {
+            Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
+        };
+        // The guard is for locality: a backend that holds none of the prompt draws nothing to it.
+        if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
             return None;
         }
         let work = held + demand.output;
@@ -457,7 +464,6 @@ impl QueuedLeastLatency {
         if demand.prompt_tokens == 0 {
             return Some(load);
         }
-        let matched = Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks));
         let uncached = demand.prompt_tokens.saturating_sub(matched);
         let prefill = (backend.prefill_in_flight() + uncached) as f64
             * state.map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate);
@@ -779,5 +785,54 @@ mod tests {
         let before = strategy.limit(&replica);
         strategy.learn_first_byte(&replica, &first_byte(1.02 + 8_000.0 * rate, 8_000, 0));
         assert!(strategy.limit(&replica) < before);
+    }
+
+    use crate::strategies::Strategy;
+
+    fn chat(system: &str, user: &str) -> RequestInfo {
+        let body = serde_json::json!({
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+            "max_tokens": 200,
+        });
+        RequestInfo {
+            prompt: Prompt::of_body(body.to_string().as_bytes()).map(Arc::new),
+            ..RequestInfo::default()
+        }
+    }
+
+    /// Puts `n` requests of `output` expected tokens in flight on `backend`.
+    fn working(backend: &Backend, n: usize, output: u64) {
+        let work = crate::backend::InFlightWork { prefill: 0, output };
+        for _ in 0..n {
+            backend.acquire_work(&work);
+        }
+    }
+
+    #[test]
+    fn a_cached_prefix_draws_the_request_until_the_load_guard() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let set = vec![backend(10), backend(11)];
+        for replica in &set {
+            strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+        }
+        let system = "You are the assistant of tenant seven. ".repeat(400);
+        let request = chat(&system, "hello");
+        let blocks = &request.prompt.as_ref().unwrap().blocks;
+        assert!(blocks.len() > 40);
+        set[0].prefixes().record(blocks);
+        // A little more load on the replica with the tenant's prompt: the prefill it saves wins.
+        working(&set[0], 3, 200);
+        working(&set[1], 2, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        // Past 1.25 × its share of the work in flight, it is skipped however long the prefix.
+        working(&set[0], 3, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        // A request whose prompt no replica holds is not held back by the guard: it goes to the
+        // cheapest, here the less loaded.
+        let other = chat("A different tenant entirely. ", "hi");
+        assert_eq!(strategy.pick(&other, (&set).into()), Some(1));
     }
 }

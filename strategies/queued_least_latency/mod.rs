@@ -34,8 +34,9 @@
 //!   (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A measured backend
 //!   is a candidate while its in-flight count is below its limit and below `ramp_up_factor` ×
 //!   its first bytes (or completed requests, the larger).
-//! - *Load guard*: for a request with a prompt, a backend holding more than `load_bound` × its
-//!   share of the work in flight (expected output tokens, weighted by relative cost) is skipped.
+//! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
+//!   than `load_bound` × its share of the work in flight (expected output tokens, weighted by
+//!   relative cost) is skipped.
 //! - *Score*: the expected time on the backend: relative cost × (work in flight + this
 //!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
 //!   prefill of its uncached prompt tokens (less the prefix the backend's index holds) and of those

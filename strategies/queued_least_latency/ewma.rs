@@ -11,9 +11,9 @@ impl QueuedLeastLatency {
             (None, 0) => Some(0.0),
             (None, _) => None,
             (Some(ewma), 0) => Some(ewma),
-            (Some(ewma), busy) => {
-                (ewma < self.latency_threshold && self.ramp_room(backend, busy)).then_some(ewma)
-            }
+            (Some(ewma), busy) => (ewma < self.latency_threshold
+                && self.ramp_room(backend.completed(), busy))
+            .then_some(ewma),
         }
     }
 }

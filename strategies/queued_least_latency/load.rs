@@ -392,7 +392,7 @@ impl<'r> Demand<'r> {
             .then(|| strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE));
         Self {
             blocks: prompt.map_or(&[], |p| &p.blocks),
-            prompt_tokens: prompt.map_or(0, |p| u64::from(p.tokens)),
+            prompt_tokens: request.prompt_tokens(),
             output,
             unit: mean_latency / (limits / count_f).max(1.0),
             typical_output,
@@ -439,8 +439,7 @@ impl QueuedLeastLatency {
             .strategy_slot::<Slot>()
             .answered
             .load(Ordering::Relaxed);
-        let ramp =
-            (in_flight as f64) < self.ramp_up_factor * answered.max(backend.completed()) as f64;
+        let ramp = self.ramp_room(answered.max(backend.completed()), in_flight);
         if in_flight > 0 && !((in_flight as f64) < limit && ramp) {
             return None;
         }

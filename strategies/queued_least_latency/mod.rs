@@ -239,8 +239,10 @@ impl QueuedLeastLatency {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn ramp_room(&self, backend: &Backend, busy: usize) -> bool {
-        (busy as f64) < self.ramp_up_factor * backend.completed() as f64
+    /// Whether a backend with `busy` requests in flight has ramp-up room, having answered
+    /// `answered` requests.
+    fn ramp_room(&self, answered: u64, busy: usize) -> bool {
+        (busy as f64) < self.ramp_up_factor * answered as f64
     }
 
     /// The candidate with the lowest score (`None`: not a candidate); ties go to fewer requests

@@ -565,7 +565,8 @@ impl Balancer {
             .store(queue.waiters.len(), Ordering::SeqCst);
     }
 
-    /// Called after a lease is released: lets the queue head go if anything waits.
+    /// Called after a lease is released or a first byte arrives: lets the queue head go if
+    /// anything waits.
     fn capacity_freed(self: &Arc<Self>) {
         if self.queue_depth.load(Ordering::SeqCst) > 0 {
             let mut queue = self.lock();
@@ -788,8 +789,13 @@ impl Lease {
                     streamed: self.streamed,
                     uncached_tokens: self.work.prefill,
                     queued_tokens: self.queued_tokens,
+                    dispatched_at: self.dispatched_at,
                 },
             );
+            // A first byte can raise the backend's limit and ends its share of queued prefill:
+            // a waiting request may go now rather than when some answer ends (for a chat stream,
+            // seconds to minutes later).
+            self.balancer.capacity_freed();
         }
     }
 

@@ -389,6 +389,9 @@ pub struct FirstByte {
     /// Uncached prompt tokens of other requests that were waiting for their first byte on the
     /// backend when this one was dispatched ([`Backend::prefill_in_flight`]).
     pub queued_tokens: u64,
+    /// When the request was dispatched: a strategy that reacts to a late first byte can tell
+    /// whether the request was sent before or after its last reaction.
+    pub dispatched_at: tokio::time::Instant,
 }
 
 /// A routing strategy. See the module docs for the contract.

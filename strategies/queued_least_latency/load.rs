@@ -87,6 +87,12 @@ struct History {
     ttfb_baseline: Option<f64>,
     /// Whether a first byte has come later than tolerated: the limit's slow start is over.
     congested: bool,
+    /// Whether a stream's first byte was seen: from then on streams alone move the limit.
+    streamed: bool,
+    /// When the limit was last lowered: a late first byte of a request dispatched before then
+    /// was sent under the old limit and lowers it no further (one decrease per round, as TCP
+    /// reduces its window once per round trip).
+    lowered_at: Option<Instant>,
 }
 
 impl Learned {
@@ -463,8 +469,12 @@ impl QueuedLeastLatency {
         if demand.prompt_tokens == 0 {
             return Some(load);
         }
+        // Its prefill waits for the prefill queued ahead of it, and stalls the decode steps of
+        // every request in flight there while it runs (an engine's step carries both): a miss
+        // on a busy replica costs its prefill once per sequence it holds up.
         let uncached = demand.prompt_tokens.saturating_sub(matched);
-        let prefill = (backend.prefill_in_flight() + uncached) as f64
+        let stalled = 1 + in_flight as u64;
+        let prefill = (backend.prefill_in_flight() + uncached * stalled) as f64
             * state.map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate);
         Some(load + prefill)
     }
@@ -573,7 +583,7 @@ impl QueuedLeastLatency {
         // Only a stream's first byte measures queueing (see `learn_ttfb`); a whole answer's
         // first byte comes with its end. On a replica that never streamed, a whole answer
         // counts as no sign of congestion.
-        if outcome.streamed || state.history.ttfb_baseline.is_some() {
+        if outcome.streamed || state.history.streamed {
             return;
         }
         state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
@@ -594,12 +604,18 @@ impl QueuedLeastLatency {
     fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) {
         let ttfb = first_byte.seconds;
         let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
+        state.history.streamed = true;
+        // The fixed delay is read off first bytes with little prefill: where the prefill is
+        // long, an error in the rate would pass for a shorter (even zero) fixed delay, and every
+        // short prompt after it would look late.
         let residual = (ttfb - prefill as f64 * state.prefill_rate).max(0.0);
         let baseline = match state.history.ttfb_baseline {
-            Some(old) if residual >= old => old + (residual - old) * BASELINE_DRIFT,
-            _ => residual,
+            _ if prefill >= MIN_PREFILL_SAMPLE => state.history.ttfb_baseline,
+            Some(old) if residual >= old => Some(old + (residual - old) * BASELINE_DRIFT),
+            _ => Some(residual),
         };
-        state.history.ttfb_baseline = Some(baseline);
+        state.history.ttfb_baseline = baseline;
+        let baseline = baseline.unwrap_or(0.0);
         if prefill >= MIN_PREFILL_SAMPLE {
             let sample = (ttfb - baseline).max(0.0) / prefill as f64;
             let weight = if sample < state.prefill_rate {
@@ -624,6 +640,14 @@ impl QueuedLeastLatency {
             }
         } else {
             state.history.congested = true;
+            if state
+                .history
+                .lowered_at
+                .is_some_and(|lowered| first_byte.dispatched_at < lowered)
+            {
+                return;
+            }
+            state.history.lowered_at = Some(Instant::now());
             state.limit * (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0)
         };
         state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit + LIMIT_SMOOTHING * target)
@@ -634,6 +658,7 @@ impl QueuedLeastLatency {
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
+    use std::time::Duration;
 
     use super::*;
 
@@ -711,6 +736,7 @@ mod tests {
             streamed: true,
             uncached_tokens,
             queued_tokens,
+            dispatched_at: Instant::now(),
         }
     }
 
@@ -756,6 +782,38 @@ mod tests {
         strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
         let grown = strategy.limit(&replica) - after;
         assert!(grown > 0.0 && grown < 0.25 * after.sqrt(), "{grown}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_limit_is_lowered_once_per_round_of_requests_sent_after_the_last_decrease() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(4);
+        while strategy.limit(&replica) < 100.0 {
+            let limit = strategy.limit(&replica) as usize;
+            busy(&replica, limit.saturating_sub(replica.in_flight()));
+            strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+        }
+        // Fifty requests were sent under the limit of 100; their first bytes come late, one
+        // after the other. The first lowers the limit; the others were sent before that and
+        // say nothing about the lower limit.
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let late = |dispatched_at| FirstByte {
+            dispatched_at,
+            ..first_byte(2.0, 0, 0)
+        };
+        strategy.learn_first_byte(&replica, &late(sent));
+        let lowered = strategy.limit(&replica);
+        assert!(lowered < 95.0, "{lowered}");
+        for _ in 0..49 {
+            strategy.learn_first_byte(&replica, &late(sent));
+        }
+        assert_eq!(strategy.limit(&replica), lowered);
+        // A request sent after the decrease that is late again lowers it again.
+        let resent = Instant::now();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        strategy.learn_first_byte(&replica, &late(resent));
+        assert!(strategy.limit(&replica) < lowered);
     }
 
     #[test]
@@ -808,6 +866,36 @@ mod tests {
         for _ in 0..n {
             backend.acquire_work(&work);
         }
+    }
+
+    #[test]
+    fn a_long_prompt_goes_where_its_prefill_stalls_the_fewest_streams() {
+        let params = super::super::Params {
+            initial_limit: 64.0,
+            ..super::super::Params::default()
+        };
+        let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
+        let set = vec![backend(20), backend(21)];
+        // Each has answered three streams (ramp-up room for 15 in flight).
+        for replica in &set {
+            for _ in 0..3 {
+                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        // A: 4 long answers in flight (2,400 tokens of work); B: 10 short ones (1,000).
+        working(&set[0], 4, 600);
+        working(&set[1], 10, 100);
+        // A short chat goes where the least work waits.
+        assert_eq!(
+            strategy.pick(&chat("Be brief.", "hi"), (&set).into()),
+            Some(1)
+        );
+        // A 30,000-token document, cached nowhere, holds up every stream of the replica it is
+        // prefilled on: it goes to the one with 4 streams, not 10.
+        let document = "A long contract to summarise, clause after clause. ".repeat(2_400);
+        let request = chat("Summarise.", &document);
+        assert!(request.prompt_tokens() > 25_000);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
     }
 
     #[test]

@@ -597,10 +597,12 @@ impl QueuedLeastLatency {
     /// The TTFB expected without congestion is the backend's fixed delay (the baseline) plus the
     /// prefill of the prompt tokens it had to compute — this request's uncached ones and those
     /// queued ahead of it — at its prefill rate. Within `ttfb_tolerance` × that + `ttfb_slack`,
-    /// the limit grows: by one per first byte until the first late one (slow start: it doubles
-    /// every round of `limit` requests), by about √limit / 5 after; only while the backend is
+    /// the limit grows: by two per first byte until the first late one (slow start: it doubles
+    /// every round even when the answers are long streams that keep their slots), by about
+    /// √limit / 5 after; only while the backend is
     /// using at least half of it. A later first byte lowers it in proportion (a gradient, at
-    /// most halving the estimate).
+    /// most halving the estimate), once per round: not for a request sent before the last
+    /// decrease.
     fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) {
         let ttfb = first_byte.seconds;
         let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
@@ -634,8 +636,11 @@ impl QueuedLeastLatency {
             if state.history.congested {
                 state.limit + state.limit.sqrt()
             } else {
-                // Slow start: one more per first byte, undamped.
-                state.limit = (state.limit + 1.0).min(self.max_limit);
+                // Slow start, undamped: two more per first byte, as a stream keeps its slot
+                // after it (one for the slot, one for growth): the limit doubles every round even
+                // when every answer is a long stream, where one more per first byte would let
+                // one more request go per round only.
+                state.limit = (state.limit + 2.0).min(self.max_limit);
                 return;
             }
         } else {
@@ -755,17 +760,21 @@ mod tests {
     fn the_limit_doubles_each_round_of_fast_first_bytes_until_one_is_late() {
         let strategy = QueuedLeastLatency::load(3.0);
         let replica = backend(1);
-        // An engine with room for 256 streams answering its first byte in 50 ms: within 252
-        // first bytes the limit is there (not within 252 answers of several seconds each).
-        let mut sent = 0;
+        // An engine with room for 256 streams answering its first byte in 50 ms. Each round,
+        // the requests the limit has room for are sent; their first bytes come back and the
+        // streams keep their slots. Within 6 rounds (300 ms) the limit is there: not within
+        // 252 answers of several seconds each, nor one more request per round.
+        let mut rounds = 0;
         while strategy.limit(&replica) < 256.0 {
-            let limit = strategy.limit(&replica) as usize;
-            busy(&replica, limit.saturating_sub(replica.in_flight()));
-            strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
-            sent += 1;
+            let room = (strategy.limit(&replica) as usize).saturating_sub(replica.in_flight());
+            busy(&replica, room);
+            for _ in 0..room {
+                strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+            }
+            rounds += 1;
             assert!(
-                sent <= 252,
-                "limit {} after {sent}",
+                rounds <= 6,
+                "limit {} after {rounds} rounds",
                 strategy.limit(&replica)
             );
         }
@@ -776,9 +785,10 @@ mod tests {
         }
         assert_eq!(strategy.limit(&idle), strategy.initial_limit);
         // A late first byte ends the slow start: the limit drops, then grows by √limit / 5.
+        let found = strategy.limit(&replica);
         strategy.learn_first_byte(&replica, &first_byte(1.0, 0, 0));
         let after = strategy.limit(&replica);
-        assert!(after < 256.0 * 0.95, "{after}");
+        assert!(after < found * 0.95, "{after} after {found}");
         strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
         let grown = strategy.limit(&replica) - after;
         assert!(grown > 0.0 && grown < 0.25 * after.sqrt(), "{grown}");

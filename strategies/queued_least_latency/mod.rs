@@ -28,7 +28,8 @@
 //!   without congestion is the replica's fixed delay (baseline) plus the prefill of the uncached
 //!   prompt tokens of the request and of those queued ahead at its learned prefill rate; within
 //!   `ttfb_tolerance` × that + `ttfb_slack` (and with at least half of the limit in use) the limit
-//!   grows by one per first byte until the first late one (slow start: it doubles every round),
+//!   grows by two per first byte until the first late one (slow start: it doubles every round,
+//!   streams keeping their slots),
 //!   by about √limit / 5 after; a later first byte lowers it in proportion (a gradient, as in
 //!   Netflix's concurrency-limits), once per round: late first bytes of requests sent before
 //!   the last decrease lower it no further. The fixed delay is read off first bytes with little

@@ -13,10 +13,11 @@
 //! *Bounded loads* (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads",
 //! SODA 2018) caps each backend at `⌈c × m / n⌉` requests, where `m` counts the requests in
 //! flight including this one, `n` the backends and `c` the `load_factor` (≥ 1): when the key's
-//! backend is at the cap, the request walks on clockwise to the first backend below it. A hot
-//! key spills over to its ring neighbours instead of overloading one replica, and no replica
-//! ever holds more than `c` times the average. Some backend is always below the cap, because the
-//! least loaded one holds at most the average.
+//! backend is at the cap, the request goes to the least-loaded backend. A hot key spreads over
+//! the replicas with room instead of overloading one (nor its ring neighbour, which walking on
+//! clockwise would load with every hot key before it), and no replica ever holds more than `c`
+//! times the average. Some backend is always below the cap, because the least loaded one holds
+//! at most the average.
 //!
 //! # The key
 //!
@@ -24,10 +25,15 @@
 //!
 //! 1. the `header` (default `x-session-id`; `""` turns it off), its first value;
 //! 2. the cookie named `cookie` (default off);
-//! 3. the first `body_prefix_bytes` of the body (default 256; 0 turns it off): prompts that
-//!    start alike (same system prompt, same conversation) share a key, and the replica that
-//!    served one has the prefix cached. The core reads bodies up to `retry.body_limit` before
-//!    routing, so keep `body_prefix_bytes` below it.
+//! 3. the prompt of an OpenAI chat or completions body or a TGI body: its conversation key
+//!    ([`Prompt::conversation`](crate::prompt::Prompt::conversation): for a chat, the system message(s) and the first user message,
+//!    which every later turn resends; for a completion, its first 8 KiB), so every turn of one
+//!    conversation shares a key and the replica that served it has the history cached, while
+//!    two conversations that only share a long system prompt (or a preamble common to every
+//!    tenant) do not pile onto one replica;
+//! 4. for any other body, its first `body_prefix_bytes` (default 256). `body_prefix_bytes = 0`
+//!    turns both body keys off. The core reads bodies up to `retry.body_limit` before routing,
+//!    so keep `body_prefix_bytes` below it.
 //!
 //! A request with none of them (a `GET` without the header, say) goes to the least-loaded
 //! backend (fewest in flight; ties rotate).
@@ -80,7 +86,7 @@ use crate::backend::Backend;
 /// Registry entry.
 pub const ENTRY: StrategyEntry = StrategyEntry {
     name: "affinity",
-    summary: "consistent hashing with bounded loads on a session header, cookie or body prefix",
+    summary: "consistent hashing with bounded loads on a session header, cookie or the prompt's conversation",
     build,
 };
 
@@ -195,8 +201,20 @@ impl KeySources {
     fn key(&self, request: &RequestView<'_>) -> Option<u64> {
         self.header_value(request)
             .or_else(|| self.cookie_value(request))
-            .or_else(|| self.body_prefix(request.body_prefix()))
             .map(hash_bytes)
+            .or_else(|| self.body_key(request))
+    }
+
+    /// The prompt's conversation key, or the hash of the body's first bytes when the body has no
+    /// prompt the core can read; `None` when body keys are off or the body is empty.
+    fn body_key(&self, request: &RequestView<'_>) -> Option<u64> {
+        if self.body_prefix_bytes == 0 {
+            return None;
+        }
+        match request.prompt() {
+            Some(prompt) => Some(mix(prompt.conversation)),
+            None => self.body_prefix(request.body_prefix()).map(hash_bytes),
+        }
     }
 
     fn header_value<'a>(&self, request: &RequestView<'a>) -> Option<&'a [u8]> {
@@ -299,16 +317,17 @@ impl Ring {
         }
     }
 
-    /// The index of the first candidate clockwise from `key` whose in-flight count is below
-    /// `bound`; `None` if no backend of the ring is a candidate below it.
+    /// The index of the key's backend, the first candidate clockwise from `key`, if its
+    /// in-flight count is below `bound`; `None` if it is at the bound or no backend of the ring
+    /// is a candidate.
     fn owner(&self, key: u64, candidates: Candidates<'_>, bound: usize) -> Option<usize> {
         let start = self.points.partition_point(|point| point.hash < key);
         let (wrapped, clockwise) = self.points.split_at(start);
         clockwise
             .iter()
             .chain(wrapped)
-            .filter_map(|point| self.candidate_index(point.slot as usize, candidates))
-            .find(|&index| candidates.all()[index].in_flight() < bound)
+            .find_map(|point| self.candidate_index(point.slot as usize, candidates))
+            .filter(|&index| candidates.all()[index].in_flight() < bound)
     }
 
     /// Where the backend of `slot` is among the candidates: at `slot` itself when they are the
@@ -498,6 +517,71 @@ mod tests {
     }
 
     #[test]
+    fn a_full_home_sends_the_request_to_the_least_loaded_not_its_ring_neighbour() {
+        let set = backends(0..4);
+        let strategy = strategy(&set, 1.25);
+        let key = hash_bytes(b"hot-tenant");
+        let home = strategy.pick(&keyed(key), (&set).into()).unwrap();
+        let tried = [Arc::clone(&set[home])];
+        let neighbour = strategy
+            .pick(&keyed(key), Candidates::new(&set).excluding(&tried))
+            .unwrap();
+        let idle = (0..4).find(|&i| i != home && i != neighbour).unwrap();
+        // Home 3, its neighbour 1, the others 1 and 0: the bound is ⌈1.25 × 6 / 4⌉ = 2.
+        for (index, backend) in set.iter().enumerate() {
+            let load = match index {
+                i if i == home => 3,
+                i if i == idle => 0,
+                _ => 1,
+            };
+            for _ in 0..load {
+                backend.acquire();
+            }
+        }
+        assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(idle));
+    }
+
+    #[test]
+    fn the_body_key_is_the_prompts_conversation() {
+        let keys = default_keys();
+        let none = headers(&[]);
+        let chat = |turns: &[(&str, &str)]| {
+            let system = "You are the assistant of tenant seven. ".repeat(10);
+            let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+            for (role, content) in turns {
+                messages.push(serde_json::json!({"role": role, "content": content}));
+            }
+            serde_json::json!({"model": "m", "messages": messages}).to_string()
+        };
+        let first = chat(&[("user", "How do I reset my password?")]);
+        let second = chat(&[
+            ("user", "How do I reset my password?"),
+            ("assistant", "Open the settings page."),
+            ("user", "There is no such page."),
+        ]);
+        let other_user = chat(&[("user", "What are your opening hours?")]);
+        let key = key_of(&keys, &none, first.as_bytes());
+        assert!(key.is_some());
+        // Every turn of a conversation has its key; another user of the same tenant, sharing
+        // the system prompt and the body's first 256 bytes, has another.
+        assert_eq!(key_of(&keys, &none, second.as_bytes()), key);
+        assert_eq!(first.as_bytes()[..256], other_user.as_bytes()[..256]);
+        assert_ne!(key_of(&keys, &none, other_user.as_bytes()), key);
+        // A header still comes first; body keys off means no body key.
+        let header = headers(&[("x-session-id", "abc")]);
+        assert_eq!(
+            key_of(&keys, &header, first.as_bytes()),
+            Some(hash_bytes(b"abc"))
+        );
+        let off = KeySources::from_params(&Params {
+            body_prefix_bytes: 0,
+            ..Params::default()
+        })
+        .unwrap();
+        assert_eq!(key_of(&off, &none, first.as_bytes()), None);
+    }
+
+    #[test]
     fn requests_without_a_key_go_to_the_least_loaded_with_ties_rotated() {
         let set = backends(0..3);
         let strategy = strategy(&set, 1.25);
@@ -515,7 +599,7 @@ mod tests {
     }
 
     #[test]
-    fn an_excluded_home_is_passed_over_like_a_full_one() {
+    fn an_excluded_home_is_passed_over_for_the_next_backend_clockwise() {
         let set = backends(0..4);
         let strategy = strategy(&set, 1.25);
         let key = hash_bytes(b"session-2");

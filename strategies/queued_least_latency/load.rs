@@ -353,6 +353,12 @@ pub(super) struct Demand<'r> {
     /// flight with this request added (the least loaded candidate is always within it). It
     /// applies to backends that hold part of the prompt: locality is what could pile up.
     bound: Option<f64>,
+    /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
+    /// already wait for their first byte on a candidate: `load_bound` times the mean over the
+    /// candidates with this request's prompt added, or this request's prompt tokens if more
+    /// (the candidate with the least always is within it). A replica busy prefilling long
+    /// prompts does not draw every long prompt after them because it holds few streams.
+    prefill_bound: Option<f64>,
     /// When the pick happens, for a request with a prompt: the engines' own load signals are
     /// read then ([`Backend::engine`]).
     now: Option<Instant>,
@@ -370,6 +376,7 @@ impl<'r> Demand<'r> {
         let output = f64::from(request.expected_output_tokens());
         let (mut latency, mut measured, mut limits) = (0.0, 0u32, 0.0);
         let (mut work, mut in_flight, mut speed, mut count) = (0u64, 0usize, 0.0, 0u32);
+        let mut queued_prefill = 0u64;
         for (_, backend) in candidates.iter() {
             let rank = backend.strategy_slot::<Slot>().rank(generation);
             if let Some(ewma) = backend.ewma_latency() {
@@ -378,6 +385,7 @@ impl<'r> Demand<'r> {
             }
             limits += rank.map_or(strategy.initial_limit, |r| r.limit);
             work += backend.work_in_flight();
+            queued_prefill += backend.prefill_in_flight();
             in_flight += backend.in_flight();
             speed += 1.0 / relative_cost(fleet, rank);
             count += 1;
@@ -396,6 +404,11 @@ impl<'r> Demand<'r> {
         let prompt = request.prompt.as_deref();
         let bound = (prompt.is_some() && count > 1)
             .then(|| strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE));
+        let prompt_tokens = request.prompt_tokens() as f64;
+        let prefill_bound = (prompt.is_some() && count > 1).then(|| {
+            (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
+                .max(prompt_tokens)
+        });
         Self {
             blocks: prompt.map_or(&[], |p| &p.blocks),
             prompt_tokens: request.prompt_tokens(),
@@ -403,6 +416,7 @@ impl<'r> Demand<'r> {
             unit: mean_latency / (limits / count_f).max(1.0),
             typical_output,
             bound,
+            prefill_bound,
             now: prompt.map(|_| Instant::now()),
         }
     }
@@ -460,6 +474,13 @@ impl QueuedLeastLatency {
         if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
             return None;
         }
+        let queued_prefill = backend.prefill_in_flight();
+        if demand
+            .prefill_bound
+            .is_some_and(|bound| queued_prefill as f64 > bound)
+        {
+            return None;
+        }
         let work = held + demand.output;
         let mut load = relative * work / demand.typical_output * demand.unit;
         // Requests waiting inside the engine (from this router or any other) are work ahead too.
@@ -474,7 +495,7 @@ impl QueuedLeastLatency {
         // on a busy replica costs its prefill once per sequence it holds up.
         let uncached = demand.prompt_tokens.saturating_sub(matched);
         let stalled = 1 + in_flight as u64;
-        let prefill = (backend.prefill_in_flight() + uncached * stalled) as f64
+        let prefill = (queued_prefill + uncached * stalled) as f64
             * state.map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate);
         Some(load + prefill)
     }
@@ -905,6 +926,40 @@ mod tests {
         let document = "A long contract to summarise, clause after clause. ".repeat(2_400);
         let request = chat("Summarise.", &document);
         assert!(request.prompt_tokens() > 25_000);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+    }
+
+    #[test]
+    fn a_replica_busy_prefilling_documents_does_not_draw_the_next_one() {
+        let params = super::super::Params {
+            initial_limit: 64.0,
+            ..super::super::Params::default()
+        };
+        let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
+        let set = vec![backend(30), backend(31), backend(32)];
+        for replica in &set {
+            for _ in 0..3 {
+                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        // A holds 2 streams and two 30,000-token documents waiting for their first byte; B and
+        // C hold 10 streams each and nothing to prefill.
+        working(&set[0], 2, 200);
+        let documents = crate::backend::InFlightWork {
+            prefill: 60_000,
+            output: 0,
+        };
+        set[0].acquire_work(&documents);
+        working(&set[1], 10, 200);
+        working(&set[2], 10, 200);
+        let document = "A long contract to summarise, clause after clause. ".repeat(2_400);
+        let request = chat("Summarise.", &document);
+        // Its prefill would stall the fewest streams on A, but A already has 60,000 tokens to
+        // prefill: more than 1.25 × the mean with this document added (37,500); it goes to B or C.
+        let pick = strategy.pick(&request, (&set).into());
+        assert!(matches!(pick, Some(1 | 2)), "{pick:?}");
+        // Once A's documents have their first bytes, it takes the next one.
+        set[0].prefilled(&documents);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
     }
 

@@ -39,7 +39,9 @@
 //!   its first bytes (or completed requests, the larger).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
 //!   than `load_bound` × its share of the work in flight (expected output tokens, weighted by
-//!   relative cost) is skipped.
+//!   relative cost) is skipped; so is a backend whose queued prefill (uncached prompt tokens
+//!   waiting for their first byte) is above `load_bound` × the candidates' mean with this
+//!   prompt added, or above this prompt's tokens if more (the prefill guard).
 //! - *Score*: the expected time on the backend: relative cost × (work in flight + this
 //!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
 //!   prefill of those queued there and of its uncached prompt tokens (less the prefix the
@@ -126,7 +128,7 @@ struct Params {
     max_limit: f64,
     /// Load guard for requests with a prompt (`load`): a backend whose work in flight, this
     /// request's included and weighted by its relative cost, is above this multiple of its fair
-    /// share is not a candidate (bounded load).
+    /// share is not a candidate (bounded load); the same multiple bounds its queued prefill.
     load_bound: f64,
 }
 

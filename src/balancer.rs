@@ -792,10 +792,13 @@ impl Lease {
                     dispatched_at: self.dispatched_at,
                 },
             );
-            // A first byte can raise the backend's limit and ends its share of queued prefill:
-            // a waiting request may go now rather than when some answer ends (for a chat stream,
-            // seconds to minutes later).
-            self.balancer.capacity_freed();
+            // A stream's first byte can raise the backend's limit and ends its share of queued
+            // prefill: a waiting request may go now rather than when some answer ends (seconds
+            // to minutes later). A whole answer's first byte comes with its end, and the release
+            // that follows lets the queue move.
+            if self.streamed {
+                self.balancer.capacity_freed();
+            }
         }
     }
 

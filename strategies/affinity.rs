@@ -26,8 +26,9 @@
 //! 1. the `header` (default `x-session-id`; `""` turns it off), its first value;
 //! 2. the cookie named `cookie` (default off);
 //! 3. the prompt of an OpenAI chat or completions body or a TGI body: its conversation key
-//!    ([`Prompt::conversation`](crate::prompt::Prompt::conversation): for a chat, the system message(s) and the first user message,
-//!    which every later turn resends; for a completion, its first 8 KiB), so every turn of one
+//!    ([`Prompt::conversation`](crate::prompt::Prompt::conversation): for a chat, the system
+//!    message(s) and the first user message, which every later turn resends; for a
+//!    completion, its first 8 KiB), so every turn of one
 //!    conversation shares a key and the replica that served it has the history cached, while
 //!    two conversations that only share a long system prompt (or a preamble common to every
 //!    tenant) do not pile onto one replica;
@@ -516,16 +517,22 @@ mod tests {
         assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(home));
     }
 
+    /// The backend `key` goes to, and the one it goes to when that one was tried already.
+    fn home_and_next(strategy: &Affinity, set: &[Arc<Backend>], key: u64) -> (usize, usize) {
+        let home = strategy.pick(&keyed(key), set.into()).unwrap();
+        let tried = [Arc::clone(&set[home])];
+        let next = strategy
+            .pick(&keyed(key), Candidates::new(set).excluding(&tried))
+            .unwrap();
+        (home, next)
+    }
+
     #[test]
     fn a_full_home_sends_the_request_to_the_least_loaded_not_its_ring_neighbour() {
         let set = backends(0..4);
         let strategy = strategy(&set, 1.25);
         let key = hash_bytes(b"hot-tenant");
-        let home = strategy.pick(&keyed(key), (&set).into()).unwrap();
-        let tried = [Arc::clone(&set[home])];
-        let neighbour = strategy
-            .pick(&keyed(key), Candidates::new(&set).excluding(&tried))
-            .unwrap();
+        let (home, neighbour) = home_and_next(&strategy, &set, key);
         let idle = (0..4).find(|&i| i != home && i != neighbour).unwrap();
         // Home 3, its neighbour 1, the others 1 and 0: the bound is ⌈1.25 × 6 / 4⌉ = 2.
         for (index, backend) in set.iter().enumerate() {
@@ -603,13 +610,10 @@ mod tests {
         let set = backends(0..4);
         let strategy = strategy(&set, 1.25);
         let key = hash_bytes(b"session-2");
-        let home = strategy.pick(&keyed(key), (&set).into()).unwrap();
-        let tried = [Arc::clone(&set[home])];
-        let candidates = Candidates::new(&set).excluding(&tried);
-        let next = strategy.pick(&keyed(key), candidates).unwrap();
+        let (home, next) = home_and_next(&strategy, &set, key);
         assert_ne!(next, home);
         // The same backend each time: the next one clockwise.
-        assert_eq!(strategy.pick(&keyed(key), candidates), Some(next));
+        assert_eq!(home_and_next(&strategy, &set, key), (home, next));
     }
 
     #[test]

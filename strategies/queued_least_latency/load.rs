@@ -402,10 +402,12 @@ impl<'r> Demand<'r> {
             output
         };
         let prompt = request.prompt.as_deref();
-        let bound = (prompt.is_some() && count > 1)
+        // Both guards apply to a request with a prompt when there is a choice.
+        let guarded = prompt.is_some() && count > 1;
+        let bound = guarded
             .then(|| strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE));
         let prompt_tokens = request.prompt_tokens() as f64;
-        let prefill_bound = (prompt.is_some() && count > 1).then(|| {
+        let prefill_bound = guarded.then(|| {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
                 .max(prompt_tokens)
         });
@@ -620,10 +622,9 @@ impl QueuedLeastLatency {
     /// queued ahead of it — at its prefill rate. Within `ttfb_tolerance` × that + `ttfb_slack`,
     /// the limit grows: by two per first byte until the first late one (slow start: it doubles
     /// every round even when the answers are long streams that keep their slots), by about
-    /// √limit / 5 after; only while the backend is
-    /// using at least half of it. A later first byte lowers it in proportion (a gradient, at
-    /// most halving the estimate), once per round: not for a request sent before the last
-    /// decrease.
+    /// √limit / 5 after; only while the backend is using at least half of it. A later first
+    /// byte lowers it in proportion (a gradient, at most halving the estimate), once per round:
+    /// not for a request sent before the last decrease.
     fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) {
         let ttfb = first_byte.seconds;
         let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
@@ -899,20 +900,26 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_long_prompt_goes_where_its_prefill_stalls_the_fewest_streams() {
+    /// The load score with a limit of 64, every backend of `set` measured and having answered
+    /// three streams (ramp-up room for 15 in flight): limits and ramp-up stay out of the way.
+    fn with_room(set: &[Arc<Backend>]) -> QueuedLeastLatency {
         let params = super::super::Params {
             initial_limit: 64.0,
             ..super::super::Params::default()
         };
         let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
-        let set = vec![backend(20), backend(21)];
-        // Each has answered three streams (ramp-up room for 15 in flight).
-        for replica in &set {
+        for replica in set {
             for _ in 0..3 {
                 strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
             }
         }
+        strategy
+    }
+
+    #[test]
+    fn a_long_prompt_goes_where_its_prefill_stalls_the_fewest_streams() {
+        let set = vec![backend(20), backend(21)];
+        let strategy = with_room(&set);
         // A: 4 long answers in flight (2,400 tokens of work); B: 10 short ones (1,000).
         working(&set[0], 4, 600);
         working(&set[1], 10, 100);
@@ -931,17 +938,8 @@ mod tests {
 
     #[test]
     fn a_replica_busy_prefilling_documents_does_not_draw_the_next_one() {
-        let params = super::super::Params {
-            initial_limit: 64.0,
-            ..super::super::Params::default()
-        };
-        let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
         let set = vec![backend(30), backend(31), backend(32)];
-        for replica in &set {
-            for _ in 0..3 {
-                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
-            }
-        }
+        let strategy = with_room(&set);
         // A holds 2 streams and two 30,000-token documents waiting for their first byte; B and
         // C hold 10 streams each and nothing to prefill.
         working(&set[0], 2, 200);

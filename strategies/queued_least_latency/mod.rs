@@ -29,11 +29,11 @@
 //!   prompt tokens of the request and of those queued ahead at its learned prefill rate; within
 //!   `ttfb_tolerance` × that + `ttfb_slack` (and with at least half of the limit in use) the limit
 //!   grows by two per first byte until the first late one (slow start: it doubles every round,
-//!   streams keeping their slots),
-//!   by about √limit / 5 after; a later first byte lowers it in proportion (a gradient, as in
-//!   Netflix's concurrency-limits), once per round: late first bytes of requests sent before
-//!   the last decrease lower it no further. The fixed delay is read off first bytes with little
-//!   prefill. It starts at `initial_limit`; an engine's stated capacity
+//!   streams keeping their slots), by about √limit / 5 after; a later first byte lowers it in
+//!   proportion (a gradient, as in Netflix's concurrency-limits), once per round: late first
+//!   bytes of requests sent before the last decrease lower it no further. The fixed delay is
+//!   read off first bytes with little prefill. It starts at `initial_limit`; an engine's stated
+//!   capacity
 //!   (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A measured backend
 //!   is a candidate while its in-flight count is below its limit and below `ramp_up_factor` ×
 //!   its first bytes (or completed requests, the larger).
@@ -46,8 +46,8 @@
 //!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
 //!   prefill of those queued there and of its uncached prompt tokens (less the prefix the
 //!   backend's index holds) once for itself and once for each request in flight there, whose
-//!   decode steps its prefill stalls, plus the engine's own waiting requests when engine metrics are on. See
-//!   `docs/strategies.md` for a worked example.
+//!   decode steps its prefill stalls, plus the engine's own waiting requests when engine
+//!   metrics are on. See `docs/strategies.md` for a worked example.
 //!
 //! When every replica is at its limit, requests wait in the router queue instead of in a
 //! replica's own queue, so a replica added during a burst takes the waiting requests at once.

@@ -856,3 +856,56 @@ impl Drop for Lease {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// Takes a request on the one backend while it holds fewer than one plus the first bytes
+    /// seen: each first byte is room for one more.
+    #[derive(Default)]
+    struct RoomPerFirstByte {
+        first_bytes: AtomicUsize,
+    }
+
+    impl Strategy for RoomPerFirstByte {
+        fn name(&self) -> &'static str {
+            "room-per-first-byte"
+        }
+
+        fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+            let (index, backend) = candidates.iter().next()?;
+            (backend.in_flight() <= self.first_bytes.load(Ordering::SeqCst)).then_some(index)
+        }
+
+        fn on_first_byte(&self, _backend: &Backend, _first_byte: &FirstByte) {
+            self.first_bytes.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_streams_first_byte_lets_a_waiting_request_go_before_any_answer_ends() {
+        let balancer =
+            Balancer::new(Tuning::default(), Arc::new(RoomPerFirstByte::default())).unwrap();
+        balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
+        let mut first = balancer.admit(RequestInfo::default()).await.unwrap();
+        let waiting = tokio::spawn({
+            let balancer = Arc::clone(&balancer);
+            async move { balancer.admit(RequestInfo::default()).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(balancer.queue_depth(), 1);
+        // The first answer is a stream; its first byte arrives and it goes on streaming.
+        first.mark_streamed();
+        first.mark_first_byte();
+        let second = tokio::time::timeout(Duration::from_millis(1), waiting)
+            .await
+            .expect("dispatched at the first byte")
+            .unwrap()
+            .unwrap();
+        assert_eq!(balancer.queue_depth(), 0);
+        drop((first, second));
+    }
+}

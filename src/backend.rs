@@ -317,6 +317,8 @@ pub struct Backend {
     connections: IdleConnections,
     strategy_slot: StrategySlot,
     engine: EngineLoad,
+    /// Requests in flight that have no first byte yet.
+    awaiting_first_byte: AtomicUsize,
     /// Uncached prompt tokens of the requests in flight that have no first byte yet.
     prefill_in_flight: AtomicU64,
     /// Expected output tokens of the requests in flight.
@@ -350,6 +352,7 @@ impl Backend {
             connections: IdleConnections::default(),
             strategy_slot: StrategySlot::default(),
             engine: EngineLoad::new(),
+            awaiting_first_byte: AtomicUsize::new(0),
             prefill_in_flight: AtomicU64::new(0),
             work_in_flight: AtomicU64::new(0),
             prefixes: PrefixIndex::new(tokens),
@@ -457,6 +460,12 @@ impl Backend {
         self.prefill_in_flight.load(Ordering::Relaxed)
     }
 
+    /// Requests in flight still waiting for their first byte: those in prefill and those the
+    /// backend holds in its own queue.
+    pub fn awaiting_first_byte(&self) -> usize {
+        self.awaiting_first_byte.load(Ordering::Relaxed)
+    }
+
     /// Expected output tokens of the requests in flight ([`crate::strategy::RequestInfo::expected_output_tokens`]).
     pub fn work_in_flight(&self) -> u64 {
         self.work_in_flight.load(Ordering::Relaxed)
@@ -481,6 +490,7 @@ impl Backend {
 
     pub(crate) fn acquire_work(&self, work: &InFlightWork) {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.awaiting_first_byte.fetch_add(1, Ordering::Relaxed);
         self.prefill_in_flight
             .fetch_add(work.prefill, Ordering::Relaxed);
         self.work_in_flight
@@ -489,6 +499,7 @@ impl Backend {
 
     /// The request's prefill is over (its first byte arrived).
     pub(crate) fn prefilled(&self, work: &InFlightWork) {
+        self.awaiting_first_byte.fetch_sub(1, Ordering::Relaxed);
         self.prefill_in_flight
             .fetch_sub(work.prefill, Ordering::Relaxed);
     }

@@ -93,6 +93,8 @@ struct History {
     /// was sent under the old limit and lowers it no further (one decrease per round, as TCP
     /// reduces its window once per round trip).
     lowered_at: Option<Instant>,
+    /// First bytes the prefill rate was read off.
+    prefill_samples: u32,
 }
 
 impl Learned {
@@ -331,8 +333,15 @@ pub(super) const PRIOR_PREFILL_SECONDS_PER_TOKEN: f64 = 1e-4;
 const MIN_PREFILL_SAMPLE: u64 = 256;
 /// Weights of a prefill-rate sample below and above the current rate: the rate follows the
 /// lower envelope of the samples, as queueing only ever adds to a first byte's delay.
+/// First bytes of long prompts after which a backend with no fixed delay known yet has its
+/// first bytes judged on the prefill rate they taught.
+const PREFILL_SAMPLES_TO_JUDGE: u32 = 16;
 const PREFILL_RATE_DOWN: f64 = 0.3;
 const PREFILL_RATE_UP: f64 = 0.05;
+
+/// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
+/// before the first-byte guard passes it over: the prefills of a step or two are not a queue.
+const AWAITING_SLACK: f64 = 8.0;
 
 /// What one pick needs of the fleet and of the request, gathered once per pick.
 #[derive(Debug, Clone, Copy)]
@@ -359,6 +368,11 @@ pub(super) struct Demand<'r> {
     /// (the candidate with the least always is within it). A replica busy prefilling long
     /// prompts does not draw every long prompt after them because it holds few streams.
     prefill_bound: Option<f64>,
+    /// The first-byte guard for a request with a prompt: how many requests may already wait
+    /// for their first byte on a candidate: `load_bound` times the fewest any candidate has,
+    /// plus [`AWAITING_SLACK`]. A replica whose engine holds requests in its own queue (its KV
+    /// cache is full) stops drawing new ones while a peer answers its own.
+    awaiting_bound: Option<f64>,
     /// When the pick happens, for a request with a prompt: the engines' own load signals are
     /// read then ([`Backend::engine`]).
     now: Option<Instant>,
@@ -377,6 +391,7 @@ impl<'r> Demand<'r> {
         let (mut latency, mut measured, mut limits) = (0.0, 0u32, 0.0);
         let (mut work, mut in_flight, mut speed, mut count) = (0u64, 0usize, 0.0, 0u32);
         let mut queued_prefill = 0u64;
+        let mut fewest_awaiting = usize::MAX;
         for (_, backend) in candidates.iter() {
             let rank = backend.strategy_slot::<Slot>().rank(generation);
             if let Some(ewma) = backend.ewma_latency() {
@@ -386,6 +401,7 @@ impl<'r> Demand<'r> {
             limits += rank.map_or(strategy.initial_limit, |r| r.limit);
             work += backend.work_in_flight();
             queued_prefill += backend.prefill_in_flight();
+            fewest_awaiting = fewest_awaiting.min(backend.awaiting_first_byte());
             in_flight += backend.in_flight();
             speed += 1.0 / relative_cost(fleet, rank);
             count += 1;
@@ -411,6 +427,8 @@ impl<'r> Demand<'r> {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
                 .max(prompt_tokens)
         });
+        let awaiting_bound =
+            guarded.then_some(strategy.load_bound * fewest_awaiting as f64 + AWAITING_SLACK);
         Self {
             blocks: prompt.map_or(&[], |p| &p.blocks),
             prompt_tokens: request.prompt_tokens(),
@@ -419,7 +437,25 @@ impl<'r> Demand<'r> {
             typical_output,
             bound,
             prefill_bound,
+            awaiting_bound,
             now: prompt.map(|_| Instant::now()),
+        }
+    }
+}
+
+impl Demand<'_> {
+    /// Whether the guards apply to this pick.
+    pub(super) fn is_guarded(&self) -> bool {
+        self.bound.is_some()
+    }
+
+    /// This demand with no guard: for a pick where no backend with room is within them.
+    pub(super) fn unguarded(&self) -> Self {
+        Self {
+            bound: None,
+            prefill_bound: None,
+            awaiting_bound: None,
+            ..*self
         }
     }
 }
@@ -480,6 +516,12 @@ impl QueuedLeastLatency {
         if demand
             .prefill_bound
             .is_some_and(|bound| queued_prefill as f64 > bound)
+        {
+            return None;
+        }
+        if demand
+            .awaiting_bound
+            .is_some_and(|bound| backend.awaiting_first_byte() as f64 > bound)
         {
             return None;
         }
@@ -639,8 +681,13 @@ impl QueuedLeastLatency {
             _ => Some(residual),
         };
         state.history.ttfb_baseline = baseline;
+        // Until the fixed delay is known (or the prefill rate is read off enough long prompts)
+        // no first byte is judged late: the expected time would be a guess at the prior rate,
+        // and one early sample would end the slow start.
+        let known = baseline.is_some() || state.history.prefill_samples >= PREFILL_SAMPLES_TO_JUDGE;
         let baseline = baseline.unwrap_or(0.0);
         if prefill >= MIN_PREFILL_SAMPLE {
+            state.history.prefill_samples = state.history.prefill_samples.saturating_add(1);
             let sample = (ttfb - baseline).max(0.0) / prefill as f64;
             let weight = if sample < state.prefill_rate {
                 PREFILL_RATE_DOWN
@@ -651,7 +698,7 @@ impl QueuedLeastLatency {
         }
         let expected = baseline + prefill as f64 * state.prefill_rate;
         let tolerated = self.ttfb_tolerance * expected + self.ttfb_slack;
-        let target = if ttfb <= tolerated {
+        let target = if ttfb <= tolerated || !known {
             if busy < state.limit / 2.0 {
                 return;
             }
@@ -876,6 +923,25 @@ mod tests {
         assert!(strategy.limit(&replica) < before);
     }
 
+    #[test]
+    fn no_first_byte_is_late_before_the_fixed_delay_is_known() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(5);
+        busy(&replica, 4);
+        // The first streams all have long prompts: their first bytes, slower than the prior
+        // prefill rate predicts, cannot tell queueing from prefill yet. The slow start goes on.
+        for _ in 0..3 {
+            let before = strategy.limit(&replica);
+            strategy.learn_first_byte(&replica, &first_byte(0.5, 1_000, 0));
+            assert_eq!(strategy.limit(&replica), before + 2.0);
+        }
+        // A short prompt's first byte gives the fixed delay; from then on a late one counts.
+        strategy.learn_first_byte(&replica, &first_byte(0.02, 0, 0));
+        let before = strategy.limit(&replica);
+        strategy.learn_first_byte(&replica, &first_byte(3.0, 1_000, 0));
+        assert!(strategy.limit(&replica) < before);
+    }
+
     use crate::strategies::Strategy;
 
     fn chat(system: &str, user: &str) -> RequestInfo {
@@ -984,5 +1050,66 @@ mod tests {
         // cheapest, here the less loaded.
         let other = chat("A different tenant entirely. ", "hi");
         assert_eq!(strategy.pick(&other, (&set).into()), Some(1));
+    }
+
+    /// Puts `n` requests of `output` expected tokens in flight on `backend` that have had
+    /// their first byte (streams decoding).
+    fn decoding(backend: &Backend, n: usize, output: u64) {
+        let work = crate::backend::InFlightWork { prefill: 0, output };
+        for _ in 0..n {
+            backend.acquire_work(&work);
+            backend.prefilled(&work);
+        }
+    }
+
+    #[test]
+    fn a_replica_whose_requests_wait_for_their_first_byte_stops_drawing_cached_ones() {
+        let set = vec![backend(40), backend(41)];
+        let strategy = with_room(&set);
+        let system = "You are the assistant of tenant nine. ".repeat(400);
+        let request = chat(&system, "hello");
+        set[0]
+            .prefixes()
+            .record(&request.prompt.as_ref().unwrap().blocks);
+        // Both replicas decode 4 streams (A's shorter ones); the one with the tenant's prompt
+        // also holds requests that have had no first byte, short ones: the load guard stays out
+        // of the way.
+        decoding(&set[0], 4, 10);
+        decoding(&set[1], 4, 200);
+        working(&set[0], 2, 20);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        // 9 of them: its engine queues them (its KV cache is full).
+        working(&set[0], 7, 20);
+        // 9 waiting: more than 1.25 × the fewest (0) + 8. The request goes where it starts.
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        // Once its peer holds waiting requests too, locality wins again.
+        working(&set[1], 2, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+    }
+
+    #[test]
+    fn the_guards_never_hold_a_request_back_while_a_backend_has_room() {
+        let set = vec![backend(42), backend(43)];
+        // Each has answered three streams: ramp-up room for 15 in flight.
+        let strategy = with_room(&set);
+        let system = "You are the assistant of tenant ten. ".repeat(400);
+        let request = chat(&system, "hello");
+        set[0]
+            .prefixes()
+            .record(&request.prompt.as_ref().unwrap().blocks);
+        // A holds 10 requests waiting for their first byte (past the first-byte guard); B is
+        // full (15 streams). The request goes to A rather than wait for B.
+        working(&set[0], 10, 200);
+        decoding(&set[1], 15, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        // With room on B, the guard sends it there.
+        set[1].release_work(
+            &crate::backend::InFlightWork {
+                prefill: 0,
+                output: 200,
+            },
+            false,
+        );
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
     }
 }

@@ -32,7 +32,8 @@
 //!   streams keeping their slots), by about √limit / 5 after; a later first byte lowers it in
 //!   proportion (a gradient, as in Netflix's concurrency-limits), once per round: late first
 //!   bytes of requests sent before the last decrease lower it no further. The fixed delay is
-//!   read off first bytes with little prefill. It starts at `initial_limit`; an engine's stated
+//!   read off first bytes with little prefill; none is judged late before it is known (or 16
+//!   long prompts taught the prefill rate). It starts at `initial_limit`; an engine's stated
 //!   capacity
 //!   (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A measured backend
 //!   is a candidate while its in-flight count is below its limit and below `ramp_up_factor` ×
@@ -41,7 +42,10 @@
 //!   than `load_bound` × its share of the work in flight (expected output tokens, weighted by
 //!   relative cost) is skipped; so is a backend whose queued prefill (uncached prompt tokens
 //!   waiting for their first byte) is above `load_bound` × the candidates' mean with this
-//!   prompt added, or above this prompt's tokens if more (the prefill guard).
+//!   prompt added, or above this prompt's tokens if more (the prefill guard); so is a backend
+//!   holding more requests without a first byte than `load_bound` × the fewest any candidate
+//!   holds + 8 (the first-byte guard: its engine queues them). The guards choose among the
+//!   backends with room; when none with room is within them, they are waived.
 //! - *Score*: the expected time on the backend: relative cost × (work in flight + this
 //!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
 //!   prefill of those queued there and of its uncached prompt tokens (less the prefix the
@@ -314,8 +318,17 @@ impl Strategy for QueuedLeastLatency {
                 let fleet = state.fleet;
                 let generation = state.generation;
                 let demand = load::Demand::of(self, request, candidates, generation, &fleet);
-                self.best(candidates, |backend| {
+                let found = self.best(candidates, |backend| {
                     self.load_score(backend, generation, &fleet, &demand)
+                });
+                // The guards choose among the backends with room; they never hold a request
+                // back while one has room (the others may be full up to their limits).
+                if found.is_some() || !demand.is_guarded() {
+                    return found;
+                }
+                let open = demand.unguarded();
+                self.best(candidates, |backend| {
+                    self.load_score(backend, generation, &fleet, &open)
                 })
             }
         }

@@ -2,22 +2,26 @@
 //!
 //! A request is *admitted* by [`Balancer::admit`]. Fast path: when nobody is waiting and the
 //! strategy picks a backend at once, the request leaves with a [`Lease`] without waiting for any
-//! other task. Otherwise it joins one bounded FIFO queue (full: the oldest waiter is evicted with
-//! 503) and waits until dispatched or until its deadline (503).
+//! other task. Otherwise it is judged against its deadline at the queue's measured dispatch rate
+//! (503 `overloaded` at once if it would start too late), joins the bounded queue (priority
+//! bands, fair shares between tenants: [`queue`]) and waits until dispatched or until its
+//! deadline (503).
 //!
-//! There is no dispatcher task and no polling: whoever changes something that may let the head of
-//! the queue go — a finished request, a new backend set, an arriving request — runs
-//! `Balancer::dispatch_locked` under the queue lock, which hands leases to waiters in arrival order
-//! for as long as the strategy picks a backend. A waiter whose client went away removes itself
+//! There is no dispatcher task and no polling: whoever changes something that may let the next
+//! request go — a finished request, a new backend set, an arriving request — runs
+//! `Balancer::dispatch_locked` under the queue lock, which hands leases to waiters in the queue's
+//! order for as long as the strategy picks a backend. A waiter whose client went away removes itself
 //! from the queue when its future is dropped, so it is never sent upstream.
 //!
 //! The queue lock is a `std::sync::Mutex` that is never held across an await.
 
 mod availability;
+mod queue;
 
 pub use availability::AvailabilityConfig;
+pub use queue::{Admission, Band};
+use queue::{Place, Queue};
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,6 +30,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::StatusCode;
+use opentelemetry::KeyValue;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -50,8 +55,9 @@ pub enum Rejection {
     ShuttingDown,
     /// Every backend that could take the request answered that it is busy.
     Busy,
-    /// The queue already held `queue.shed_ratio` times the requests in flight; the value is the
-    /// expected time for the queue to drain, in whole seconds (at least 1).
+    /// The request would not start before its deadline at the queue's measured dispatch rate
+    /// (or the queue held `queue.shed_ratio` times the requests in flight); the value is the
+    /// predicted wait, in whole seconds (at least 1).
     Overloaded(u32),
 }
 
@@ -65,7 +71,7 @@ impl Rejection {
             Rejection::ShuttingDown => "router is shutting down",
             Rejection::Busy => "every backend that could take the request is busy",
             Rejection::Overloaded(_) => {
-                "router overloaded: the queue ahead of this request would take too long to drain"
+                "router overloaded: the queue ahead of this request would not let it start before its deadline"
             }
         }
     }
@@ -79,32 +85,6 @@ impl Rejection {
     }
 }
 
-struct Waiter {
-    seq: u64,
-    info: RequestInfo,
-    /// Backends this request already tried (a retry): picked only when no other is eligible.
-    excluded: Vec<Arc<Backend>>,
-    enqueued_at: Instant,
-    reply: oneshot::Sender<Result<Lease, Rejection>>,
-}
-
-#[derive(Default)]
-struct Queue {
-    waiters: VecDeque<Waiter>,
-    next_seq: u64,
-}
-
-impl Queue {
-    fn remove(&mut self, seq: u64) -> Option<Waiter> {
-        // Sequence numbers grow from front to back.
-        let index = self
-            .waiters
-            .binary_search_by_key(&seq, |waiter| waiter.seq)
-            .ok()?;
-        self.waiters.remove(index)
-    }
-}
-
 /// The `[queue]` section: the admission queue requests wait in when no backend can take them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -115,9 +95,22 @@ pub struct QueueConfig {
     /// How long a request may wait in the queue.
     #[serde(with = "crate::forms::seconds")]
     pub timeout: Duration,
-    /// Load shedding: a new request is answered 503 at once while the queue holds this many
-    /// times the requests in flight (0: never).
+    /// Load shedding by a fixed rule: a new request is answered 503 at once while the queue
+    /// holds this many times the requests in flight (0: never, the default; admission by
+    /// deadline applies either way).
     pub shed_ratio: f64,
+    /// The request header stating how many milliseconds the request may wait to start (the
+    /// queue's `timeout` bounds it). Empty: none is read.
+    pub deadline_header: String,
+    /// The request header naming the request's priority band: `high`, `normal` (also when
+    /// absent or anything else) or `low`. Empty: every request is `normal`.
+    pub priority_header: String,
+    /// How long a request of a lower band may wait before it goes ahead of higher bands.
+    #[serde(with = "crate::forms::seconds")]
+    pub priority_aging: Duration,
+    /// The request header whose value names the tenant (e.g. `x-tenant-id`, `authorization`):
+    /// tenants get fair shares of dispatch. Empty (the default): off.
+    pub tenant_header: String,
 }
 
 impl Default for QueueConfig {
@@ -125,7 +118,11 @@ impl Default for QueueConfig {
         Self {
             max_size: 1000,
             timeout: Duration::from_secs(1200),
-            shed_ratio: 15.0,
+            shed_ratio: 0.0,
+            deadline_header: "x-request-deadline-ms".to_owned(),
+            priority_header: "x-priority".to_owned(),
+            priority_aging: Duration::from_secs(10),
+            tenant_header: String::new(),
         }
     }
 }
@@ -320,6 +317,28 @@ impl Balancer {
         }
     }
 
+    /// How `request` is queued if it has to wait: its band, tenant and deadline, read from the
+    /// headers `[queue]` names.
+    pub fn admission(&self, request: &crate::strategy::RequestView<'_>) -> Admission {
+        let tuning = self.tuning.load();
+        let queue = &tuning.queue;
+        let header = |name: &str| {
+            if name.is_empty() {
+                None
+            } else {
+                request.header(name)
+            }
+        };
+        Admission {
+            band: header(&queue.priority_header).map_or(Band::Normal, Band::of_header),
+            tenant: header(&queue.tenant_header).map_or(0, tenant_key),
+            deadline: header(&queue.deadline_header).and_then(|value| {
+                let millis: u64 = std::str::from_utf8(value).ok()?.trim().parse().ok()?;
+                Some(Duration::from_millis(millis))
+            }),
+        }
+    }
+
     /// The strategy in use.
     pub fn strategy(&self) -> Arc<dyn Strategy> {
         Arc::clone(&self.strategy.load())
@@ -388,21 +407,32 @@ impl Balancer {
         }
     }
 
-    /// Admits one request: returns a lease on a backend, possibly after waiting in the queue.
+    /// Admits one request: returns a lease on a backend, possibly after waiting in the queue
+    /// (as a `normal` request of no tenant, with the queue's timeout).
     pub async fn admit(self: &Arc<Self>, info: RequestInfo) -> Result<Lease, Rejection> {
-        self.admit_excluding(info, Vec::new()).await
+        self.admit_as(info, Admission::default()).await
     }
 
-    /// [`Balancer::admit`] for a request that must not go to `excluded` while another backend
-    /// is eligible.
+    /// [`Balancer::admit`] for a request queued as `admission` says.
+    pub async fn admit_as(
+        self: &Arc<Self>,
+        info: RequestInfo,
+        admission: Admission,
+    ) -> Result<Lease, Rejection> {
+        self.admit_excluding(info, admission, Vec::new()).await
+    }
+
+    /// [`Balancer::admit_as`] for a request that must not go to `excluded` while another
+    /// backend is eligible.
     async fn admit_excluding(
         self: &Arc<Self>,
         info: RequestInfo,
+        admission: Admission,
         excluded: Vec<Arc<Backend>>,
     ) -> Result<Lease, Rejection> {
-        let (seq, reply, enqueued_at) = {
+        let (place, reply, deadline) = {
             let mut queue = self.lock();
-            if queue.waiters.is_empty() {
+            if queue.is_empty() {
                 if let Some(backend) = self.pick_excluding(&info, &self.eligible.load(), &excluded)
                 {
                     let lease = Lease::new(self, backend, &info);
@@ -415,25 +445,42 @@ impl Balancer {
                 self.metrics.rejected.add(1, &[]);
                 return Err(Rejection::NoBackend);
             }
+            let band = [KeyValue::new("band", admission.band.as_str())];
             if let Some(drain) = self.overloaded_locked(&queue) {
                 drop(queue);
-                self.metrics.shed.add(1, &[]);
+                self.metrics
+                    .shed
+                    .add(1, &[band[0].clone(), KeyValue::new("reason", "ratio")]);
                 return Err(Rejection::Overloaded(drain));
             }
             // The clock is read only for a request that waits.
-            let enqueued_at = Instant::now();
-            let (seq, reply) = self.enqueue_locked(&mut queue, info, excluded, enqueued_at);
-            (seq, reply, enqueued_at)
+            let now = Instant::now();
+            let timeout = self.tuning.load().queue.timeout;
+            let patience = admission.deadline.map_or(timeout, |d| d.min(timeout));
+            let cost = request_cost(&info);
+            let ahead = queue.ahead_of(&admission, cost);
+            if let Some(wait) = queue.rate.predicted_wait(ahead, now) {
+                if wait > patience {
+                    drop(queue);
+                    self.metrics
+                        .shed
+                        .add(1, &[band[0].clone(), KeyValue::new("reason", "deadline")]);
+                    let seconds = wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u32;
+                    return Err(Rejection::Overloaded(seconds));
+                }
+            }
+            let (place, reply) =
+                self.enqueue_locked(&mut queue, info, &admission, cost, excluded, now);
+            (place, reply, now + patience)
         };
         let mut waiting = Waiting {
             balancer: self,
-            seq,
+            place,
+            band: admission.band,
             reply,
             settled: false,
         };
-        waiting
-            .wait(enqueued_at + self.tuning.load().queue.timeout)
-            .await
+        waiting.wait(deadline).await
     }
 
     /// Admits a retry on a backend not in `tried`: picked now if the strategy can, else through
@@ -443,6 +490,7 @@ impl Balancer {
     pub async fn admit_retry(
         self: &Arc<Self>,
         info: RequestInfo,
+        admission: Admission,
         tried: &[Arc<Backend>],
         requeue: bool,
     ) -> Result<Option<Lease>, Rejection> {
@@ -450,7 +498,7 @@ impl Balancer {
             let queue = self.lock();
             let eligible = self.eligible.load();
             let untried = Candidates::new(&eligible).excluding(tried);
-            if queue.waiters.is_empty() && !untried.is_empty() {
+            if queue.is_empty() && !untried.is_empty() {
                 if let Some(backend) = self.pick(&info, untried) {
                     let lease = Lease::new(self, backend, &info);
                     drop(queue);
@@ -466,7 +514,10 @@ impl Balancer {
             } else {
                 Vec::new()
             };
-            return self.admit_excluding(info, excluded).await.map(Some);
+            return self
+                .admit_excluding(info, admission, excluded)
+                .await
+                .map(Some);
         }
         Ok(None)
     }
@@ -481,7 +532,7 @@ impl Balancer {
     /// (the queue waits for backends, not for capacity).
     fn overloaded_locked(&self, queue: &Queue) -> Option<u32> {
         let ratio = self.tuning.load().queue.shed_ratio;
-        let queued = queue.waiters.len();
+        let queued = queue.len();
         // Cheap test first: the backends' in-flight counts add up to at most the leases held.
         if ratio <= 0.0
             || queued == 0
@@ -509,60 +560,63 @@ impl Balancer {
         self: &Arc<Self>,
         queue: &mut Queue,
         info: RequestInfo,
+        admission: &Admission,
+        cost: u64,
         excluded: Vec<Arc<Backend>>,
         enqueued_at: Instant,
-    ) -> (u64, oneshot::Receiver<Result<Lease, Rejection>>) {
-        if queue.waiters.len() >= self.tuning.load().queue.max_size {
-            if let Some(oldest) = queue.waiters.pop_front() {
-                self.metrics.evicted.add(1, &[]);
-                let _ = oldest.reply.send(Err(Rejection::Evicted));
+    ) -> (Place, oneshot::Receiver<Result<Lease, Rejection>>) {
+        if queue.len() >= self.tuning.load().queue.max_size {
+            if let Some(evicted) = queue.evict() {
+                self.metrics
+                    .evicted
+                    .add(1, &[KeyValue::new("band", evicted.band.as_str())]);
+                let _ = evicted.reply.send(Err(Rejection::Evicted));
             }
         }
         let (sender, receiver) = oneshot::channel();
-        let seq = queue.next_seq;
-        queue.next_seq += 1;
-        queue.waiters.push_back(Waiter {
-            seq,
-            info,
-            excluded,
-            enqueued_at,
-            reply: sender,
-        });
-        self.queue_depth
-            .store(queue.waiters.len(), Ordering::SeqCst);
+        let place = queue.push(info, excluded, admission, cost, enqueued_at, sender);
+        self.queue_depth.store(queue.len(), Ordering::SeqCst);
         // Something may have freed up between the fast-path pick and now.
         self.dispatch_locked(queue);
-        (seq, receiver)
+        (place, receiver)
     }
 
-    /// Hands leases to waiters in arrival order while the strategy picks a backend for the head.
+    /// Hands leases to waiters in the queue's order (bands, then fair shares) while the strategy
+    /// picks a backend for the next one.
     fn dispatch_locked(self: &Arc<Self>, queue: &mut Queue) {
-        if queue.waiters.is_empty() {
+        if queue.is_empty() {
             return;
         }
         let backends = self.eligible.load();
-        while let Some(head) = queue.waiters.front() {
+        let now = Instant::now();
+        let aging = self.tuning.load().queue.priority_aging;
+        while let Some(place) = queue.next(now, aging) {
+            let Some(head) = queue.get(place) else {
+                break;
+            };
             let Some(backend) = self.pick_excluding(&head.info, &backends, &head.excluded) else {
                 break;
             };
-            let Some(waiter) = queue.waiters.pop_front() else {
+            let Some(waiter) = queue.dispatch(place, now) else {
                 break;
             };
             let lease = Lease::new(self, backend, &waiter.info);
-            let waited = waiter.enqueued_at.elapsed().as_secs_f64();
+            let waited = now
+                .saturating_duration_since(waiter.enqueued_at)
+                .as_secs_f64();
+            let band = [KeyValue::new("band", waiter.band.as_str())];
             match waiter.reply.send(Ok(lease)) {
-                Ok(()) => self.metrics.queue_wait.record(waited, &[]),
+                Ok(()) => self.metrics.queue_wait.record(waited, &band),
                 Err(Ok(lease)) => {
                     // The client left without its future removing it: release silently, as the
                     // lock is held and a normal release would try to dispatch again.
                     lease.release_locked();
-                    self.metrics.cancelled.add(1, &[]);
+                    self.metrics.cancelled.add(1, &band);
                 }
                 Err(Err(_)) => {}
             }
         }
-        self.queue_depth
-            .store(queue.waiters.len(), Ordering::SeqCst);
+        self.queue_depth.store(queue.len(), Ordering::SeqCst);
     }
 
     /// Called after a lease is released or a first byte arrives: lets the queue head go if
@@ -623,7 +677,8 @@ impl Balancer {
 /// A queued request waiting for its lease; removes itself from the queue if dropped early.
 struct Waiting<'a> {
     balancer: &'a Arc<Balancer>,
-    seq: u64,
+    place: Place,
+    band: Band,
     reply: oneshot::Receiver<Result<Lease, Rejection>>,
     settled: bool,
 }
@@ -634,8 +689,11 @@ impl Waiting<'_> {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(Rejection::ShuttingDown),
             Err(_elapsed) => {
-                if self.balancer.remove_waiter(self.seq) {
-                    self.balancer.metrics.timeout.add(1, &[]);
+                if self.balancer.remove_waiter(self.place) {
+                    self.balancer
+                        .metrics
+                        .timeout
+                        .add(1, &[KeyValue::new("band", self.band.as_str())]);
                     Err(Rejection::Timeout)
                 } else {
                     // Dispatched or evicted under the lock just before the deadline.
@@ -653,11 +711,12 @@ impl Drop for Waiting<'_> {
         if self.settled {
             return;
         }
-        if self.balancer.remove_waiter(self.seq) {
-            self.balancer.metrics.cancelled.add(1, &[]);
+        let band = [KeyValue::new("band", self.band.as_str())];
+        if self.balancer.remove_waiter(self.place) {
+            self.balancer.metrics.cancelled.add(1, &band);
         } else if let Ok(Ok(lease)) = self.reply.try_recv() {
             // Dispatched but never used: give the slot back (this may dispatch the next waiter).
-            self.balancer.metrics.cancelled.add(1, &[]);
+            self.balancer.metrics.cancelled.add(1, &band);
             drop(lease);
         }
     }
@@ -665,19 +724,33 @@ impl Drop for Waiting<'_> {
 
 impl Balancer {
     /// Takes a waiter out of the queue; `false` if it was already dispatched or evicted. When the
-    /// head leaves, the new head gets its chance (a strategy may place it where it could not place
-    /// the old one).
-    fn remove_waiter(self: &Arc<Self>, seq: u64) -> bool {
+    /// next one to go leaves, the new next one gets its chance (a strategy may place it where it
+    /// could not place the old one).
+    fn remove_waiter(self: &Arc<Self>, place: Place) -> bool {
         let mut queue = self.lock();
-        let was_head = queue.waiters.front().is_some_and(|head| head.seq == seq);
-        let removed = queue.remove(seq).is_some();
-        if was_head {
+        let aging = self.tuning.load().queue.priority_aging;
+        let was_next = queue.next(Instant::now(), aging) == Some(place);
+        let removed = queue.remove(place).is_some();
+        if was_next {
             self.dispatch_locked(&mut queue);
         }
-        self.queue_depth
-            .store(queue.waiters.len(), Ordering::SeqCst);
+        self.queue_depth.store(queue.len(), Ordering::SeqCst);
         removed
     }
+}
+
+/// What a request weighs in the tenants' fair shares: its prompt tokens and the output tokens
+/// it is expected to generate (every request without a prompt weighs the same).
+fn request_cost(info: &RequestInfo) -> u64 {
+    info.prompt_tokens() + u64::from(info.expected_output_tokens())
+}
+
+/// The hash a tenant header's value is kept as (never the value itself).
+fn tenant_key(value: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    value.hash(&mut hasher);
+    hasher.finish().max(1)
 }
 
 /// How a proxied request ended, for [`Lease::finish`].
@@ -883,6 +956,77 @@ mod tests {
         fn on_first_byte(&self, _backend: &Backend, _first_byte: &FirstByte) {
             self.first_bytes.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    struct Headers(Vec<(&'static str, &'static str)>);
+
+    impl crate::strategy::HeaderLookup for Headers {
+        fn visit<'s>(
+            &'s self,
+            name: &str,
+            each: &mut dyn FnMut(&'s [u8]) -> std::ops::ControlFlow<()>,
+        ) {
+            for (field, value) in &self.0 {
+                if *field == name && each(value.as_bytes()).is_break() {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn admission_of(tuning: Tuning, headers: Vec<(&'static str, &'static str)>) -> Admission {
+        let balancer = Balancer::new(tuning, Arc::new(RoomPerFirstByte::default())).unwrap();
+        let headers = Headers(headers);
+        let uri = http::Uri::from_static("/v1/chat/completions");
+        let view = crate::strategy::RequestView::new(&http::Method::POST, &uri, &headers, b"");
+        balancer.admission(&view)
+    }
+
+    #[test]
+    fn the_queue_reads_band_tenant_and_deadline_from_the_configured_headers() {
+        let mut tuning = Tuning::default();
+        let admission = admission_of(
+            tuning.clone(),
+            vec![
+                ("x-priority", " HIGH "),
+                ("x-request-deadline-ms", "1500"),
+                ("x-tenant-id", "acme"),
+            ],
+        );
+        // No tenant header configured: every request is the same tenant.
+        assert_eq!(
+            admission,
+            Admission {
+                band: Band::High,
+                tenant: 0,
+                deadline: Some(Duration::from_millis(1500)),
+            }
+        );
+        tuning.queue.tenant_header = "x-tenant-id".to_owned();
+        let acme = admission_of(tuning.clone(), vec![("x-tenant-id", "acme")]);
+        let other = admission_of(tuning.clone(), vec![("x-tenant-id", "globex")]);
+        assert_ne!(acme.tenant, 0);
+        assert_ne!(acme.tenant, other.tenant);
+        assert_eq!(
+            acme,
+            admission_of(tuning.clone(), vec![("x-tenant-id", "acme")])
+        );
+        // Unknown bands are normal; a deadline that is not a number is no deadline.
+        let odd = admission_of(
+            tuning.clone(),
+            vec![("x-priority", "urgent"), ("x-request-deadline-ms", "soon")],
+        );
+        assert_eq!((odd.band, odd.deadline), (Band::Normal, None));
+        assert_eq!(
+            admission_of(tuning.clone(), vec![("x-priority", "low")]).band,
+            Band::Low
+        );
+        // An empty header name reads nothing.
+        tuning.queue.priority_header = String::new();
+        assert_eq!(
+            admission_of(tuning, vec![("x-priority", "high")]).band,
+            Band::Normal
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -120,7 +120,27 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
         name: "CUSTOM_ROUTER_QUEUE_SHED_RATIO",
         key: "queue.shed_ratio",
-        help: "a new request is answered 503 at once while the queue holds more than this many times the requests in flight; 0 never sheds",
+        help: "a new request is answered 503 at once while the queue holds more than this many times the requests in flight; 0 (the default) never sheds by this rule",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_DEADLINE_HEADER",
+        key: "queue.deadline_header",
+        help: "request header giving the milliseconds a request may wait to start; a request predicted to start later is answered 503 at once",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_PRIORITY_HEADER",
+        key: "queue.priority_header",
+        help: "request header naming the priority band: high, normal or low",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_QUEUE_PRIORITY_AGING",
+        key: "queue.priority_aging",
+        help: "seconds after which a queued request of a lower band goes before higher bands",
+    },
+    EnvVar {
+        name: "CUSTOM_ROUTER_TENANT_HEADER",
+        key: "queue.tenant_header",
+        help: "request header naming the tenant; tenants get fair shares of the queue's dispatch (empty: off)",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_LATENCY_THRESHOLD",
@@ -616,8 +636,16 @@ impl Settings {
 
     /// What the balancer is held to: its three sections as they are.
     pub fn tuning(&self) -> Tuning {
+        let mut queue = self.config.queue.clone();
+        for name in [
+            &mut queue.deadline_header,
+            &mut queue.priority_header,
+            &mut queue.tenant_header,
+        ] {
+            name.make_ascii_lowercase();
+        }
         Tuning {
-            queue: self.config.queue.clone(),
+            queue,
             latency: self.config.latency,
             availability: self.config.availability.clone(),
             prefix_index: self.config.prefix_index,
@@ -739,6 +767,11 @@ fn describe_figment_error(error: &figment::Error, file: Option<&Path>) -> Config
     ConfigError::new(location, error.kind.to_string())
 }
 
+/// Whether `c` may appear in a header field name (an HTTP token).
+fn is_token_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c)
+}
+
 fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
     let positive_counts = [
         ("queue.max_size", config.queue.max_size),
@@ -777,6 +810,19 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             locate("queue.shed_ratio"),
             format!("expected zero (never shed) or a positive number, found {shed_ratio}"),
         ));
+    }
+    let headers = [
+        ("queue.deadline_header", &config.queue.deadline_header),
+        ("queue.priority_header", &config.queue.priority_header),
+        ("queue.tenant_header", &config.queue.tenant_header),
+    ];
+    for (key, name) in headers {
+        if let Some(bad) = name.chars().find(|&c| !is_token_char(c)) {
+            return Err(ConfigError::new(
+                locate(key),
+                format!("expected a header name (or empty for none), found {name:?} with {bad:?}"),
+            ));
+        }
     }
     let min_per_second = config.retry.budget.min_per_second;
     if !(min_per_second.is_finite() && min_per_second >= 0.0) {

@@ -35,8 +35,9 @@ pub mod names {
     pub const REQUESTS_CANCELLED: &str = "custom_router_requests_cancelled";
     /// Counter `custom_router_requests_rejected_total`: answered 503 at once (no backend to use).
     pub const REQUESTS_REJECTED: &str = "custom_router_requests_rejected";
-    /// Counter `custom_router_requests_shed_total`: answered 503 at once because the queue
-    /// ahead was too long (`queue.shed_ratio`).
+    /// Counter `custom_router_requests_shed_total{band, reason}`: answered 503 at once because
+    /// the request would not start before its deadline (`deadline`) or the queue held
+    /// `queue.shed_ratio` times the requests in flight (`ratio`).
     pub const REQUESTS_SHED: &str = "custom_router_requests_shed";
     /// Counter `custom_router_backend_responses_total{addr,class}`: responses by status class.
     pub const BACKEND_RESPONSES: &str = "custom_router_backend_responses";
@@ -138,6 +139,9 @@ const LATENCY_BOUNDARIES: [f64; 16] = [
 /// The shared backend snapshot: replaced whole on every set change.
 pub type Snapshot = ArcSwap<Vec<Arc<Backend>>>;
 
+/// The values of the `band` attribute of the queue's instruments.
+const BANDS: [&str; 3] = ["high", "normal", "low"];
+
 /// The router's instruments and the registry they are exported from.
 pub struct Metrics {
     registry: prometheus::Registry,
@@ -237,26 +241,45 @@ impl Metrics {
                 names::REQUESTS_DISPATCHED,
                 "Requests successfully forwarded",
             ),
-            evicted: counter(
+            evicted: labelled(
                 names::REQUESTS_EVICTED,
-                "Requests dropped due to full queue",
+                "Requests dropped due to full queue, by priority band",
+                "band",
+                &BANDS,
             ),
-            timeout: counter(
+            timeout: labelled(
                 names::REQUESTS_TIMEOUT,
-                "Requests dropped due to queue timeout",
+                "Requests dropped due to queue timeout, by priority band",
+                "band",
+                &BANDS,
             ),
-            cancelled: counter(
+            cancelled: labelled(
                 names::REQUESTS_CANCELLED,
-                "Requests whose client went away while queued",
+                "Requests whose client went away while queued, by priority band",
+                "band",
+                &BANDS,
             ),
             rejected: counter(
                 names::REQUESTS_REJECTED,
                 "Requests answered 503 at once because no backend could take them",
             ),
-            shed: counter(
-                names::REQUESTS_SHED,
-                "Requests answered 503 at once because the router queue ahead of them was too long",
-            ),
+            shed: {
+                let counter = meter
+                    .u64_counter(names::REQUESTS_SHED)
+                    .with_description(
+                        "Requests answered 503 at once because they would not start before their deadline (reason deadline) or the queue held shed_ratio times the requests in flight (reason ratio), by priority band",
+                    )
+                    .build();
+                for band in BANDS {
+                    for reason in ["deadline", "ratio"] {
+                        counter.add(
+                            0,
+                            &[KeyValue::new("band", band), KeyValue::new("reason", reason)],
+                        );
+                    }
+                }
+                counter
+            },
             retries: labelled(
                 names::RETRIES,
                 "Attempts sent again to another backend, by reason",

@@ -267,15 +267,14 @@ pub async fn proxy(
     if let Some(log) = seen.log.as_mut() {
         log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
     }
-    let info = balancer.request_info(&RequestView::new(
-        &parts.method,
-        &parts.uri,
-        &match &fields {
+    let (info, admission) = {
+        let headers = match &fields {
             Some(lines) => Fields::Lines(lines),
             None => Fields::Map(&parts.headers),
-        },
-        body.prefix(),
-    ));
+        };
+        let view = RequestView::new(&parts.method, &parts.uri, &headers, body.prefix());
+        (balancer.request_info(&view), balancer.admission(&view))
+    };
     let mut body = body;
     // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
     // it can be set.
@@ -310,10 +309,12 @@ pub async fn proxy(
             span.queue_started();
         }
         let admitted = if tried.is_empty() {
-            balancer.admit(info.clone()).await.map(Some)
+            balancer.admit_as(info.clone(), admission).await.map(Some)
         } else {
             let requeue = last_failure.is_none();
-            balancer.admit_retry(info.clone(), &tried, requeue).await
+            balancer
+                .admit_retry(info.clone(), admission, &tried, requeue)
+                .await
         };
         if let Some(span) = seen.span.as_mut() {
             span.queue_ended(admitted.as_ref().err().map(|r| response::reason(*r)));

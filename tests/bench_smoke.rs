@@ -57,6 +57,10 @@ async fn the_smoke_suite_reports_every_scenario_and_strategy() {
                     check_engine_numbers(reported, entry.name);
                 }
             }
+            assert_eq!(reported.classes, routing.class_names(), "{}", scenario.name);
+            for entry in REGISTRY {
+                check_class_numbers(reported, entry.name);
+            }
         }
     }
 
@@ -145,6 +149,26 @@ fn check_peer_numbers(scenario: &ScenarioReport, strategy: &str) {
                 scenario.name
             );
         }
+    }
+}
+
+/// Every class of `scenario` has its request count, and the classes' counts add up to the
+/// requests (every request of these scenarios has a class; one run, so the medians are the
+/// run's numbers).
+fn check_class_numbers(scenario: &ScenarioReport, strategy: &str) {
+    let peer = scenario.peers.iter().find(|p| p.peer == strategy).unwrap();
+    let mut total = 0.0;
+    for class in &scenario.classes {
+        let value = peer.median.get(&format!("requests.{class}")).copied();
+        assert!(
+            value.is_some_and(|v| v.is_finite() && v >= 0.0),
+            "{}: {strategy}: requests.{class} = {value:?}",
+            scenario.name
+        );
+        total += value.unwrap_or(0.0);
+    }
+    if let (false, Some(requests)) = (scenario.classes.is_empty(), peer.median.get("requests")) {
+        assert_eq!(total, *requests, "{}: {strategy}", scenario.name);
     }
 }
 
@@ -682,5 +706,347 @@ mod workloads {
         assert!((0.2..0.4).contains(&(long / prompts.len() as f64)));
         assert!(prompts.iter().all(|&p| (100..=32_010).contains(&p)));
         assert!(prompts.iter().any(|&p| p > 16_000));
+    }
+}
+
+// --- Traffic classes: drawing, schedules shared between scenarios, per-class numbers. ---
+
+mod classes {
+    use std::time::Duration;
+
+    use super::lab::Mode;
+    use super::lab::load::{self, Class, Lengths, OpenLoop, Record};
+    use super::lab::report::{self, Slo};
+    use super::lab::scenarios::{self, Kind, PeerRun, Routing};
+
+    fn open_loop(seed: u64) -> OpenLoop {
+        OpenLoop {
+            rate: 1_000.0,
+            duration: Duration::from_secs(20),
+            burst: 5,
+            lengths: Lengths::Uniform { min: 16, max: 112 },
+            stream_fraction: 0.5,
+            seed,
+            request_timeout: Duration::from_secs(1),
+            max_requests: 100_000,
+        }
+    }
+
+    fn tenants() -> Vec<Class> {
+        vec![
+            Class::new("a", 10.0 / 11.0, &[("x-tenant-id", "a")]),
+            Class::new("b", 1.0 / 11.0, &[("x-tenant-id", "b")]),
+        ]
+    }
+
+    #[test]
+    fn classes_are_drawn_in_their_shares_the_same_for_a_seed() {
+        let load = open_loop(3);
+        let extra = [(
+            http::HeaderName::from_static("x-request-deadline-ms"),
+            http::HeaderValue::from_static("500"),
+        )];
+        let schedule = load::plan_classes(&load, &tenants(), &extra);
+        assert!(schedule.len() > 19_000, "{}", schedule.len());
+        let b = schedule.iter().filter(|p| p.class == Some("b")).count();
+        let a = schedule.iter().filter(|p| p.class == Some("a")).count();
+        assert_eq!(a + b, schedule.len());
+        let share = b as f64 / schedule.len() as f64;
+        assert!((share - 1.0 / 11.0).abs() < 0.01, "share of b {share}");
+        for planned in &schedule {
+            let tenant = planned.headers[0].1.to_str().unwrap();
+            assert_eq!(Some(tenant), planned.class);
+            assert_eq!(planned.headers[1], extra[0]);
+        }
+        // The same seed draws the same schedule; another seed another one.
+        let again = load::plan_classes(&load, &tenants(), &extra);
+        let key = |p: &load::Planned| (p.at, p.max_tokens, p.stream, p.class);
+        assert!(schedule.iter().map(key).eq(again.iter().map(key)));
+        let other = load::plan_classes(&open_loop(4), &tenants(), &extra);
+        assert!(!schedule.iter().map(key).eq(other.iter().map(key)));
+        // Rounding cannot leave a draw without a class.
+        assert_eq!(
+            load::class_of_draw(&tenants(), 0.999_999_999_9)
+                .unwrap()
+                .name,
+            "b"
+        );
+        assert_eq!(load::class_of_draw(&tenants(), 0.0).unwrap().name, "a");
+        assert!(load::class_of_draw(&[], 0.5).is_none());
+    }
+
+    #[test]
+    fn a_schedule_without_classes_draws_what_it_drew_before_classes() {
+        let load = open_loop(11);
+        let schedule = load::plan(&load);
+        // The draws of the schedule before classes existed: lengths and streaming of the burst,
+        // then an inter-arrival time, a length and streaming per request.
+        let mut rng = fastrand::Rng::with_seed(load.seed);
+        let mut expected = Vec::new();
+        for _ in 0..load.burst {
+            expected.push((0.0, load.lengths.sample(&mut rng), rng.f64() < 0.5));
+        }
+        let mut at = 0.0;
+        loop {
+            at += -(1.0 - rng.f64()).ln() / load.rate;
+            if at >= 20.0 {
+                break;
+            }
+            expected.push((at, load.lengths.sample(&mut rng), rng.f64() < 0.5));
+        }
+        assert_eq!(schedule.len(), expected.len());
+        for (planned, (at, tokens, stream)) in schedule.iter().zip(expected) {
+            assert_eq!(planned.at, Duration::from_secs_f64(at));
+            assert_eq!((planned.max_tokens, planned.stream), (tokens, stream));
+            assert_eq!(planned.class, None);
+            assert!(planned.headers.is_empty());
+        }
+        let same = load::plan_classes(&load, &[], &[]);
+        assert!(same.iter().map(|p| p.at).eq(schedule.iter().map(|p| p.at)));
+    }
+
+    fn routing(name: &str) -> Routing {
+        let scenario = scenarios::all()
+            .into_iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no scenario {name}"));
+        match scenario.kind {
+            Kind::Routing(routing) => *routing,
+            Kind::Overhead(_) => panic!("{name} is not a routing scenario"),
+        }
+    }
+
+    /// The schedule `name` sends in run seed `seed` (the same seed for scenarios sharing one).
+    fn schedule(name: &str, seed: u64, mode: Mode) -> Vec<load::Planned> {
+        let routing = routing(name);
+        let load = routing.open_loop(mode, seed).unwrap();
+        routing.schedule(&load, mode)
+    }
+
+    #[test]
+    fn a_class_alone_is_sent_exactly_as_in_the_shared_scenario() {
+        for (shared, alone, class) in [
+            ("noisy-tenant", "noisy-tenant-alone", "b"),
+            ("priority", "priority-alone", "high"),
+        ] {
+            assert_eq!(routing(shared).seed_of, Some(shared));
+            assert_eq!(routing(alone).seed_of, Some(shared));
+            let all = schedule(shared, 7, Mode::Default);
+            let kept = schedule(alone, 7, Mode::Default);
+            let of_class: Vec<_> = all.iter().filter(|p| p.class == Some(class)).collect();
+            assert!(!kept.is_empty());
+            assert_eq!(kept.len(), of_class.len(), "{alone}");
+            for (a, b) in kept.iter().zip(of_class) {
+                assert_eq!(
+                    (a.at, a.max_tokens, a.stream),
+                    (b.at, b.max_tokens, b.stream)
+                );
+                assert_eq!(a.headers, b.headers);
+            }
+            // The offered rate is the class's share of the shared rate.
+            let (shared_rate, alone_rate) = (
+                routing(shared).rate().unwrap(),
+                routing(alone).rate().unwrap(),
+            );
+            let share = alone_rate / shared_rate;
+            let expected = if class == "b" { 1.0 / 11.0 } else { 0.2 };
+            assert!((share - expected).abs() < 1e-9, "{alone}: {share}");
+            assert_eq!(routing(alone).class_names(), vec![class.to_owned()]);
+        }
+        let tenant = |p: &load::Planned| {
+            p.headers
+                .iter()
+                .find(|(name, _)| name == "x-tenant-id")
+                .map(|(_, value)| value.to_str().unwrap().to_owned())
+        };
+        let noisy = schedule("noisy-tenant", 1, Mode::Default);
+        assert!(noisy.iter().all(|p| tenant(p).as_deref() == p.class));
+        let priority = schedule("priority", 1, Mode::Default);
+        for planned in &priority {
+            let high = planned
+                .headers
+                .iter()
+                .any(|(n, v)| n == "x-priority" && v == "high");
+            assert_eq!(high, planned.class == Some("high"));
+        }
+    }
+
+    #[test]
+    fn overload_deadline_sends_the_overload_requests_with_the_slo_deadline() {
+        let overload = routing("overload");
+        let deadline = routing("overload-deadline");
+        assert_eq!(deadline.seed_of, Some("overload"));
+        assert_eq!(overload.rate(), deadline.rate());
+        assert!(deadline.reports_overload);
+        for mode in [Mode::Default, Mode::Smoke] {
+            let bound_ms = deadline
+                .slo
+                .scaled(deadline.time_compression(mode))
+                .ttft_seconds
+                * 1e3;
+            assert_eq!(
+                deadline.deadline_millis(mode),
+                Some(bound_ms.round() as u64)
+            );
+            assert_eq!(overload.deadline_millis(mode), None);
+            let plain = schedule("overload", 5, mode);
+            let with_deadline = schedule("overload-deadline", 5, mode);
+            assert_eq!(plain.len(), with_deadline.len());
+            for (a, b) in plain.iter().zip(&with_deadline) {
+                assert_eq!(
+                    (a.at, a.max_tokens, a.stream),
+                    (b.at, b.max_tokens, b.stream)
+                );
+                assert!(a.headers.is_empty());
+                let value = bound_ms.round().to_string();
+                assert_eq!(b.headers.len(), 1);
+                assert_eq!(b.headers[0].0, "x-request-deadline-ms");
+                assert_eq!(b.headers[0].1.to_str().unwrap(), value);
+            }
+        }
+        // The small-replica scenarios run in real time: 500 ms in every mode.
+        assert_eq!(deadline.deadline_millis(Mode::Smoke), Some(500));
+    }
+
+    #[test]
+    fn hetero_stream_offers_85_percent_of_the_hetero_replicas_capacity() {
+        let routing = routing("hetero-stream");
+        let rate = routing.rate().unwrap();
+        let capacity = routing.capacity().unwrap();
+        assert!(
+            (rate / capacity - 0.85).abs() < 1e-6,
+            "{rate} of {capacity}"
+        );
+        let speeds: Vec<f64> = routing.replicas.iter().map(|r| r.speed).collect();
+        assert_eq!(speeds, [1.0, 1.0, 2.0, 4.0]);
+    }
+
+    fn record(
+        class: Option<&'static str>,
+        status: u16,
+        latency: f64,
+        prompt_tokens: u64,
+    ) -> Record {
+        Record {
+            sent_at: 0.0,
+            latency,
+            ttfb: latency / 2.0,
+            status,
+            complete: status == 200,
+            replica: (status != 503).then(|| "r1".to_owned()),
+            error: None,
+            max_tokens: 10,
+            stream: true,
+            prompt_tokens,
+            class,
+        }
+    }
+
+    const SLO: Slo = Slo {
+        ttft_seconds: 0.5,
+        ttft_seconds_per_prompt_token: 0.0,
+        tpot_seconds: 0.0105,
+    };
+
+    #[test]
+    fn each_class_has_its_own_numbers() {
+        let mut records = Vec::new();
+        // a: 100 successes of 0.01 to 1.00 s (those above 0.605 s miss the SLO), 10 refused
+        // by the proxy, 10 by a replica.
+        for i in 1..=100 {
+            records.push(record(Some("a"), 200, f64::from(i) / 100.0, 8));
+        }
+        for _ in 0..10 {
+            records.push(record(Some("a"), 503, 0.001, 8));
+            records.push(record(Some("a"), 429, 0.001, 8));
+        }
+        // b: 4 fast successes and one failure that is not a refusal.
+        for _ in 0..4 {
+            records.push(record(Some("b"), 200, 0.1, 8));
+        }
+        records.push(record(Some("b"), 500, 0.001, 8));
+        let classes = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
+        let metrics = report::summarize_classes(&records, &classes, |r| r.class, &SLO);
+        let get = |key: &str| metrics.get(key).copied();
+        assert_eq!(get("requests.a"), Some(120.0));
+        assert_eq!(get("latency_p50_s.a"), Some(0.5));
+        assert_eq!(get("latency_p99_s.a"), Some(0.99));
+        assert_eq!(get("ttfb_p99_s.a"), Some(0.495));
+        assert_eq!(get("slo_pct.a"), Some(50.0));
+        assert!((get("refused_pct.a").unwrap() - 100.0 * 20.0 / 120.0).abs() < 1e-9);
+        assert_eq!(get("requests.b"), Some(5.0));
+        assert_eq!(get("latency_p99_s.b"), Some(0.1));
+        assert_eq!(get("slo_pct.b"), Some(80.0));
+        assert_eq!(get("refused_pct.b"), Some(0.0));
+        // A class without requests has only its count.
+        assert_eq!(get("requests.c"), Some(0.0));
+        assert_eq!(get("latency_p99_s.c"), None);
+        assert_eq!(get("slo_pct.c"), None);
+        for key in metrics.keys() {
+            let stem = key.split('.').next().unwrap();
+            assert!(report::CLASS_STEMS.contains(&stem), "{key}");
+        }
+    }
+
+    #[test]
+    fn long_context_classes_its_requests_by_prompt_length() {
+        let routing = routing("long-context");
+        assert_eq!(routing.class_names(), ["short", "long"]);
+        assert_eq!(
+            routing.class_of(&record(None, 200, 1.0, 1_999)),
+            Some("short")
+        );
+        assert_eq!(
+            routing.class_of(&record(None, 200, 1.0, 2_000)),
+            Some("long")
+        );
+        // A scenario without classes has none.
+        assert!(self::routing("hetero").class_names().is_empty());
+    }
+
+    #[test]
+    fn the_report_has_a_table_per_class() {
+        let scenario = scenarios::all()
+            .into_iter()
+            .find(|s| s.name == "noisy-tenant")
+            .unwrap();
+        let records: Vec<Record> = (1..=20)
+            .map(|i| record(Some(if i % 5 == 0 { "b" } else { "a" }), 200, 0.1, 8))
+            .collect();
+        let classes = ["a".to_owned(), "b".to_owned()];
+        let mut metrics = report::summarize(&records, &["r1".to_owned()], &SLO);
+        metrics.extend(report::summarize_classes(
+            &records,
+            &classes,
+            |r| r.class,
+            &SLO,
+        ));
+        let run = PeerRun {
+            metrics,
+            latencies: vec![0.1; 20],
+        };
+        let outcome = vec![vec![("round-robin".to_owned(), Ok(run))]];
+        let reported = report::aggregate(&scenario, Mode::Smoke, "set-up".to_owned(), outcome);
+        assert_eq!(reported.classes, classes);
+        assert!(
+            reported.classes_about.contains("`x-tenant-id: b`"),
+            "{}",
+            reported.classes_about
+        );
+        let markdown = report::scenario_markdown(&reported);
+        assert!(
+            markdown.contains(
+                "| peer | class | requests | p50 s | p99 s | TTFB p99 s | in SLO % | refused % |"
+            ),
+            "{markdown}"
+        );
+        assert!(
+            markdown.contains("| round-robin | a | 16 | 0.100 | 0.100 | 0.050 | 100.0 | 0.0 |"),
+            "{markdown}"
+        );
+        assert!(markdown.contains("| round-robin | b | 4 |"), "{markdown}");
+        let json = serde_json::to_value(&reported).unwrap();
+        assert_eq!(json["classes"], serde_json::json!(["a", "b"]));
+        assert_eq!(json["peers"][0]["median"]["latency_p99_s.b"], 0.1);
     }
 }

@@ -99,7 +99,7 @@ async fn a_client_that_disconnects_while_queued_is_never_sent_upstream() {
     assert_eq!(backend.hits(), 2);
     let (_, metrics) = get(&router.url("/_custom_router/metrics")).await;
     assert!(
-        metrics.contains("custom_router_requests_cancelled_total 2"),
+        metrics.contains("custom_router_requests_cancelled_total{band=\"normal\"} 2"),
         "{metrics}"
     );
     assert_eq!(router.balancer.backends()[0].in_flight(), 0);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use custom_router::backend::{Backend, ErrorKind};
-use custom_router::balancer::{Balancer, Finish, Lease, Rejection};
+use custom_router::balancer::{Admission, Balancer, Finish, Lease, Rejection};
 use custom_router::config::{Config, Settings};
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
@@ -66,12 +66,19 @@ async fn finish_after(lease: Lease, latency: Duration) {
     settle().await;
 }
 
+/// The sum of a counter over its attributes (0 before any was counted).
 fn counter(balancer: &Balancer, name: &str) -> f64 {
     let text = balancer.metrics().render().unwrap();
     text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in metrics"))
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.parse::<f64>().ok()
+        })
+        .sum()
 }
 
 #[tokio::test(start_paused = true)]
@@ -479,7 +486,7 @@ async fn a_retry_waits_for_an_untried_backend_rather_than_going_back_to_the_fail
     let retrying = Arc::clone(&balancer);
     let retry = tokio::spawn(async move {
         retrying
-            .admit_retry(RequestInfo::default(), &tried, false)
+            .admit_retry(RequestInfo::default(), Admission::default(), &tried, false)
             .await
     });
     settle().await;

@@ -136,8 +136,55 @@ pub struct OpenLoop {
     pub max_requests: usize,
 }
 
+/// A header field a request carries.
+pub type Header = (http::HeaderName, http::HeaderValue);
+
+/// A traffic class of an open-loop load: a name (kept in each request's [`Record`]), its share
+/// of the arrivals and the header fields its requests carry.
+#[derive(Debug, Clone)]
+pub struct Class {
+    /// Its name, in reports.
+    pub name: &'static str,
+    /// The fraction of arrivals of this class (the shares of a load's classes sum to 1).
+    pub share: f64,
+    /// Header fields every request of the class carries.
+    pub headers: Vec<Header>,
+}
+
+impl Class {
+    /// A class whose requests carry the static header fields `headers`.
+    pub fn new(name: &'static str, share: f64, headers: &[(&'static str, &'static str)]) -> Self {
+        Self {
+            name,
+            share,
+            headers: headers
+                .iter()
+                .map(|&(name, value)| {
+                    (
+                        http::HeaderName::from_static(name),
+                        http::HeaderValue::from_static(value),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The class of a uniform draw `u` in `0..1`: the first whose cumulative share is above `u`
+/// (the last one when rounding leaves the shares' sum below `u`).
+pub fn class_of_draw(classes: &[Class], u: f64) -> Option<&Class> {
+    let mut cumulative = 0.0;
+    for class in classes {
+        cumulative += class.share;
+        if u < cumulative {
+            return Some(class);
+        }
+    }
+    classes.last()
+}
+
 /// One request of a schedule.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Planned {
     /// Offset from the start of the run.
     pub at: Duration,
@@ -145,14 +192,31 @@ pub struct Planned {
     pub max_tokens: u32,
     /// Whether it asks for a stream.
     pub stream: bool,
+    /// Its traffic class (`None` when the load declares none).
+    pub class: Option<&'static str>,
+    /// Extra header fields: its class's, then those of every request.
+    pub headers: Vec<Header>,
 }
 
 /// Draws the whole schedule of `load`.
 pub fn plan(load: &OpenLoop) -> Vec<Planned> {
+    plan_classes(load, &[], &[])
+}
+
+/// Draws the whole schedule of `load`, each request of one of `classes` (drawn from the same
+/// RNG after its length and streaming, and only when there are classes: without classes the
+/// schedule is the one of [`plan`]) and carrying `headers` after its class's.
+pub fn plan_classes(load: &OpenLoop, classes: &[Class], headers: &[Header]) -> Vec<Planned> {
     let mut rng = fastrand::Rng::with_seed(load.seed);
     let mut requests = Vec::new();
     for _ in 0..load.burst.min(load.max_requests) {
-        requests.push(draw_request(load, &mut rng, Duration::ZERO));
+        requests.push(draw_request(
+            load,
+            classes,
+            headers,
+            &mut rng,
+            Duration::ZERO,
+        ));
     }
     let end = load.duration.as_secs_f64();
     let mut at = 0.0;
@@ -161,16 +225,34 @@ pub fn plan(load: &OpenLoop) -> Vec<Planned> {
         if at >= end {
             break;
         }
-        requests.push(draw_request(load, &mut rng, Duration::from_secs_f64(at)));
+        let at = Duration::from_secs_f64(at);
+        requests.push(draw_request(load, classes, headers, &mut rng, at));
     }
     requests
 }
 
-fn draw_request(load: &OpenLoop, rng: &mut fastrand::Rng, at: Duration) -> Planned {
+fn draw_request(
+    load: &OpenLoop,
+    classes: &[Class],
+    headers: &[Header],
+    rng: &mut fastrand::Rng,
+    at: Duration,
+) -> Planned {
+    let max_tokens = load.lengths.sample(rng);
+    let stream = rng.f64() < load.stream_fraction;
+    let class = if classes.is_empty() {
+        None
+    } else {
+        class_of_draw(classes, rng.f64())
+    };
+    let mut all_headers = class.map_or_else(Vec::new, |class| class.headers.clone());
+    all_headers.extend_from_slice(headers);
     Planned {
         at,
-        max_tokens: load.lengths.sample(rng),
-        stream: rng.f64() < load.stream_fraction,
+        max_tokens,
+        stream,
+        class: class.map(|class| class.name),
+        headers: all_headers,
     }
 }
 
@@ -231,6 +313,8 @@ pub struct Record {
     pub stream: bool,
     /// Prompt tokens sent.
     pub prompt_tokens: u64,
+    /// The traffic class of an open-loop request (see [`Class`]).
+    pub class: Option<&'static str>,
 }
 
 impl Record {
@@ -279,21 +363,24 @@ pub async fn run_open_loop(
     let client = http_client();
     let start = Instant::now();
     let mut tasks = JoinSet::new();
-    for (index, planned) in schedule.iter().copied().enumerate() {
+    let count = schedule.len();
+    for (index, planned) in schedule.into_iter().enumerate() {
         tokio::time::sleep_until(start + planned.at).await;
         let client = client.clone();
         let progress = progress.clone();
         tasks.spawn(async move {
-            let request = Outgoing::generate(planned.max_tokens, planned.stream);
+            let mut request = Outgoing::generate(planned.max_tokens, planned.stream);
+            request.headers = planned.headers;
             let sent_at = start.elapsed().as_secs_f64();
-            let record = send(&client, target, &request, sent_at, request_timeout).await;
+            let mut record = send(&client, target, &request, sent_at, request_timeout).await;
+            record.class = planned.class;
             if let Some(progress) = progress {
                 progress.count(&record);
             }
             (index, record)
         });
     }
-    let mut records: Vec<Option<Record>> = vec![None; schedule.len()];
+    let mut records: Vec<Option<Record>> = vec![None; count];
     while let Some(joined) = tasks.join_next().await {
         if let Ok((index, record)) = joined {
             records[index] = Some(record);
@@ -430,6 +517,7 @@ pub async fn send(
         max_tokens: request.max_tokens,
         stream: request.stream,
         prompt_tokens: request.prompt_tokens,
+        class: None,
     };
     let exchange = exchange(client, target, request, started, &mut record);
     if tokio::time::timeout(limit, exchange).await.is_err() {

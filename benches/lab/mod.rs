@@ -262,6 +262,23 @@ fn print_progress(scenario: &str, seed: u64, outcomes: &[PeerOutcome]) {
                 .filter_map(|key| Some(format!("{key}={:.3}", run.metrics.get(*key)?)))
                 .collect();
                 eprintln!("[bench] {scenario} seed {seed} {peer}: {}", shown.join(" "));
+                for class in run
+                    .metrics
+                    .keys()
+                    .filter_map(|key| key.strip_prefix("requests."))
+                {
+                    let shown: Vec<String> = report::CLASS_STEMS
+                        .iter()
+                        .filter_map(|stem| {
+                            let value = run.metrics.get(&format!("{stem}.{class}"))?;
+                            Some(format!("{stem}={value:.3}"))
+                        })
+                        .collect();
+                    eprintln!(
+                        "[bench] {scenario} seed {seed} {peer} class {class}: {}",
+                        shown.join(" ")
+                    );
+                }
             }
             Err(error) => eprintln!("[bench] {scenario} seed {seed} {peer}: FAILED: {error}"),
         }

@@ -3,8 +3,10 @@
 //! Latency and time-to-first-byte percentiles are over successful requests only (a 2xx answer
 //! received in full); failures are counted in `error_pct`, answers 429 and 503 also in
 //! `refused_pct`. The SLO goodput counts only the successful requests that met the scenario's
-//! [`Slo`], so refusing requests cannot pass for a latency win. With several runs, every number is
-//! the median over the runs and the CDF plots pool the latencies of all runs.
+//! [`Slo`], so refusing requests cannot pass for a latency win. A scenario with traffic classes
+//! also has each class's numbers, keyed `<stem>.<class>` ([`summarize_classes`]). With several
+//! runs, every number is the median over the runs and the CDF plots pool the latencies of all
+//! runs.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -146,6 +148,73 @@ pub fn summarize(records: &[Record], replicas: &[String], slo: &Slo) -> Metrics 
     metrics
 }
 
+/// The per-class stems of [`summarize_classes`]: each number is `<stem>.<class>`.
+pub const CLASS_STEMS: [&str; 6] = [
+    "requests",
+    "latency_p50_s",
+    "latency_p99_s",
+    "ttfb_p99_s",
+    "slo_pct",
+    "refused_pct",
+];
+
+/// The numbers of each class of a run, keyed `<stem>.<class>` (see [`CLASS_STEMS`]): requests,
+/// latency p50 and p99 and TTFB p99 over the class's successful requests, the share of its
+/// requests that met `slo`, and the share refused (answered 429 or 503, by the proxy or a
+/// replica, as `refused_pct`). `class_of` names a record's class; records of no class in
+/// `classes` are left out. A class without requests has only `requests.<class>` (0), a class
+/// without successes no percentiles.
+pub fn summarize_classes(
+    records: &[Record],
+    classes: &[String],
+    class_of: impl Fn(&Record) -> Option<&'static str>,
+    slo: &Slo,
+) -> Metrics {
+    let mut metrics = Metrics::new();
+    for class in classes {
+        let of_class: Vec<&Record> = records
+            .iter()
+            .filter(|r| class_of(r) == Some(class.as_str()))
+            .collect();
+        metrics.insert(format!("requests.{class}"), of_class.len() as f64);
+        if of_class.is_empty() {
+            continue;
+        }
+        let successes: Vec<&Record> = of_class
+            .iter()
+            .copied()
+            .filter(|r| r.is_success())
+            .collect();
+        let mut latencies: Vec<f64> = successes.iter().map(|r| r.latency).collect();
+        let mut ttfbs: Vec<f64> = successes.iter().map(|r| r.ttfb).collect();
+        latencies.sort_by(f64::total_cmp);
+        ttfbs.sort_by(f64::total_cmp);
+        for (key, sorted, q) in [
+            ("latency_p50_s", &latencies, 0.50),
+            ("latency_p99_s", &latencies, 0.99),
+            ("ttfb_p99_s", &ttfbs, 0.99),
+        ] {
+            if let Some(value) = percentile(sorted, q) {
+                metrics.insert(format!("{key}.{class}"), value);
+            }
+        }
+        let within_slo = successes.iter().filter(|r| slo.is_met(r)).count();
+        metrics.insert(
+            format!("slo_pct.{class}"),
+            percent(within_slo, of_class.len()),
+        );
+        let refused = of_class
+            .iter()
+            .filter(|r| matches!(r.status, 429 | 503))
+            .count();
+        metrics.insert(
+            format!("refused_pct.{class}"),
+            percent(refused, of_class.len()),
+        );
+    }
+    metrics
+}
+
 /// Seconds from the first request sent to the last one finished (at least 1 ms).
 fn span_seconds(records: &[Record]) -> f64 {
     let first = records
@@ -231,6 +300,11 @@ pub struct ScenarioReport {
     pub reports_overload: bool,
     /// The SLO of the SLO goodput (routing scenarios), as run.
     pub slo: Option<Slo>,
+    /// The traffic classes with numbers of their own (`<stem>.<class>`, see
+    /// [`summarize_classes`]), in report order; empty for a scenario without classes.
+    pub classes: Vec<String>,
+    /// What the classes are, one line.
+    pub classes_about: String,
     /// One entry per peer, in order.
     pub peers: Vec<PeerReport>,
 }
@@ -308,6 +382,10 @@ pub fn aggregate(
         Kind::Routing(routing) => Some(routing.slo.scaled(routing.time_compression(mode))),
         Kind::Overhead(_) => None,
     };
+    let (classes, classes_about) = match &scenario.kind {
+        Kind::Routing(routing) => (routing.class_names(), routing.describe_classes()),
+        Kind::Overhead(_) => (Vec::new(), String::new()),
+    };
     ScenarioReport {
         name: scenario.name.to_owned(),
         models: scenario.models.to_owned(),
@@ -318,6 +396,8 @@ pub fn aggregate(
         concurrencies,
         reports_overload,
         slo,
+        classes,
+        classes_about,
         peers,
     }
 }
@@ -516,6 +596,9 @@ pub fn scenario_markdown(scenario: &ScenarioReport) -> String {
         overhead_columns(scenario)
     };
     text.push_str(&table(scenario, &columns, routing));
+    if !scenario.classes.is_empty() {
+        text.push_str(&class_table(scenario));
+    }
     for peer in &scenario.peers {
         for error in &peer.errors {
             let _ = writeln!(text, "\n{}: a run failed: {}", peer.peer, one_line(error));
@@ -544,6 +627,34 @@ fn table(scenario: &ScenarioReport, columns: &[Column], with_shares: bool) -> St
             cells.push(shares(peer, &scenario.replicas));
         }
         let _ = writeln!(text, "| {} |", cells.join(" | "));
+    }
+    text
+}
+
+/// The numbers of each class, one row per peer and class.
+fn class_table(scenario: &ScenarioReport) -> String {
+    let columns = [
+        ("requests", Unit::Count),
+        ("p50 s", Unit::Seconds),
+        ("p99 s", Unit::Seconds),
+        ("TTFB p99 s", Unit::Seconds),
+        ("in SLO %", Unit::Percent),
+        ("refused %", Unit::Percent),
+    ];
+    let mut text = format!("\nPer class: {}.\n\n", scenario.classes_about);
+    let headers: Vec<&str> = columns.iter().map(|(header, _)| *header).collect();
+    let _ = writeln!(text, "| peer | class | {} |", headers.join(" | "));
+    let _ = writeln!(text, "|{}", "---|".repeat(columns.len() + 2));
+    for peer in &scenario.peers {
+        for class in &scenario.classes {
+            let mut cells = vec![peer.peer.clone(), class.clone()];
+            cells.extend(CLASS_STEMS.iter().zip(columns).map(|(stem, (_, unit))| {
+                peer.median
+                    .get(&format!("{stem}.{class}"))
+                    .map_or_else(|| "–".to_owned(), |v| unit.format(*v))
+            }));
+            let _ = writeln!(text, "| {} |", cells.join(" | "));
+        }
     }
     text
 }

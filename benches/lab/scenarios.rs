@@ -14,12 +14,13 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::load::{self, ClosedLoop, Lengths, OpenLoop, Record};
+use super::load::{self, Class, ClosedLoop, Lengths, OpenLoop, Planned, Record};
 use super::peer::PeerSpec;
 use super::report::{self, Metrics, Slo};
 use super::sim::{self, Batching, Faults, SimConfig, SimHandle, SimStats};
@@ -28,6 +29,18 @@ use super::{LabError, Mode};
 
 /// A status answered within this many seconds counts as a fast rejection (overload).
 const FAST_REJECTION_SECONDS: f64 = 0.1;
+
+/// The header giving the milliseconds a request may wait to start (the router's
+/// `queue.deadline_header` default).
+pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
+
+/// The header naming a request's priority band (the router's `queue.priority_header` default).
+pub const PRIORITY_HEADER: &str = "x-priority";
+
+/// The header naming a request's tenant in the tenant scenarios; the router reads it only when
+/// run with `queue.tenant_header = "x-tenant-id"` (the peer
+/// `queued-least-latency:config.queue.tenant_header=x-tenant-id`).
+pub const TENANT_HEADER: &str = "x-tenant-id";
 
 /// How often the replicas' batch and queue are sampled during an LLM scenario.
 const ENGINE_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -70,6 +83,24 @@ pub struct Routing {
     pub slo: Slo,
     /// Report the fast-rejection share and goodput against capacity.
     pub reports_overload: bool,
+    /// The scenario whose seed this one runs with (its own name when `None`): the same seed
+    /// and the same traffic parameters give the same schedule, so a scenario can send a part of
+    /// another one's requests (a class alone) or the same requests with other headers.
+    pub seed_of: Option<&'static str>,
+    /// Splits the records into classes by a function of the record (instead of the classes a
+    /// Poisson traffic declares), for per-class numbers.
+    pub classifier: Option<Classifier>,
+}
+
+/// Classes of records given by a function of the record (for example its prompt length).
+#[derive(Debug, Clone, Copy)]
+pub struct Classifier {
+    /// Every class, in report order.
+    pub names: &'static [&'static str],
+    /// What the classes are, one line.
+    pub about: &'static str,
+    /// A record's class.
+    pub class_of: fn(&Record) -> Option<&'static str>,
 }
 
 /// What the clients of a routing scenario send.
@@ -94,6 +125,22 @@ pub struct Poisson {
     pub stream_fraction: f64,
     /// Seconds of arrivals (default mode).
     pub duration: f64,
+    /// Traffic classes and header fields of the requests.
+    pub mix: Mix,
+}
+
+/// What the requests of a Poisson traffic carry beyond their lengths.
+#[derive(Debug, Clone, Default)]
+pub struct Mix {
+    /// Traffic classes, each request's drawn from the schedule's RNG; empty: no classes (and no
+    /// draw, so the schedule is the one drawn before classes existed).
+    pub classes: Vec<Class>,
+    /// Send only the requests of this class of the schedule (the others are drawn, then left
+    /// out): a class alone, at its rate in the whole traffic.
+    pub only: Option<&'static str>,
+    /// Every request carries [`DEADLINE_HEADER`] with the scenario SLO's first-token bound in
+    /// milliseconds, as the run sees them (scaled like the SLO).
+    pub deadline_from_slo: bool,
 }
 
 /// One replica of a scenario.
@@ -140,6 +187,12 @@ pub fn all() -> Vec<Scenario> {
         dead(),
         failing(),
         overload(),
+        hetero_stream(),
+        overload_deadline(),
+        noisy_tenant(),
+        noisy_tenant_alone(),
+        priority(),
+        priority_alone(),
         prefix(),
         prefix_session(),
         long_context(),
@@ -185,6 +238,8 @@ fn small_replicas(replicas: Vec<Replica>, poisson: Poisson) -> Routing {
         traffic: Traffic::Poisson(poisson),
         slo: SMALL_REPLICA_SLO,
         reports_overload: false,
+        seed_of: None,
+        classifier: None,
     }
 }
 
@@ -200,6 +255,7 @@ fn hetero() -> Scenario {
                 lengths: TYPICAL_LENGTHS,
                 stream_fraction: 1.0,
                 duration: 12.0,
+                mix: Mix::default(),
             },
         ))),
     }
@@ -222,6 +278,7 @@ fn homog() -> Scenario {
                 },
                 stream_fraction: 0.5,
                 duration: 15.0,
+                mix: Mix::default(),
             },
         ))),
     }
@@ -243,6 +300,7 @@ fn burst_scaleup() -> Scenario {
                     lengths: TYPICAL_LENGTHS,
                     stream_fraction: 1.0,
                     duration: 9.0,
+                    mix: Mix::default(),
                 },
             )
         })),
@@ -278,10 +336,20 @@ fn half_load() -> Poisson {
         lengths: TYPICAL_LENGTHS,
         stream_fraction: 1.0,
         duration: 8.0,
+        mix: Mix::default(),
     }
 }
 
 fn overload() -> Scenario {
+    Scenario {
+        name: "overload",
+        models: "More traffic than the replicas can serve: 150% of the capacity of 4 equal replicas. Each replica answers 429 with Retry-After once 32 requests wait for a slot (as TGI does past its concurrency limit). What matters: goodput, how much of the excess is refused fast, and the latency of the requests that are served.",
+        kind: Kind::Routing(Box::new(overload_routing(Mix::default()))),
+    }
+}
+
+/// The replicas and load of `overload`, the requests carrying `mix`.
+fn overload_routing(mix: Mix) -> Routing {
     let queue_limit = 8 * SimConfig::default().slots;
     let replicas = replicas(&[1.0; 4])
         .into_iter()
@@ -290,22 +358,137 @@ fn overload() -> Scenario {
             ..replica
         })
         .collect();
+    Routing {
+        reports_overload: true,
+        ..small_replicas(
+            replicas,
+            Poisson {
+                load_fraction: 1.5,
+                burst: 0,
+                lengths: TYPICAL_LENGTHS,
+                stream_fraction: 1.0,
+                duration: 20.0,
+                mix,
+            },
+        )
+    }
+}
+
+fn hetero_stream() -> Scenario {
     Scenario {
-        name: "overload",
-        models: "More traffic than the replicas can serve: 150% of the capacity of 4 equal replicas. Each replica answers 429 with Retry-After once 32 requests wait for a slot (as TGI does past its concurrency limit). What matters: goodput, how much of the excess is refused fast, and the latency of the requests that are served.",
+        name: "hetero-stream",
+        models: "Streaming (SSE) near saturation on replicas of different speeds: the hetero replicas (speeds 1, 1, 2 and 4), every request streamed, Poisson arrivals at 85% of their capacity for 20 s, so that requests queue (in the router or in the replicas). The time to first token is what a chat user sees: it must not be traded for a shorter total time.",
+        kind: Kind::Routing(Box::new(small_replicas(
+            replicas(&[1.0, 1.0, 2.0, 4.0]),
+            Poisson {
+                load_fraction: 0.85,
+                burst: 0,
+                lengths: TYPICAL_LENGTHS,
+                stream_fraction: 1.0,
+                duration: 20.0,
+                mix: Mix::default(),
+            },
+        ))),
+    }
+}
+
+fn overload_deadline() -> Scenario {
+    Scenario {
+        name: "overload-deadline",
+        models: "The overload scenario (same replicas with their 429 limit, same load, same requests: it runs with the seed of overload) with every request stating in `x-request-deadline-ms` that it may wait to start no longer than the SLO's first-token bound (500 ms): the router refuses at once (503) a request it predicts would start later, instead of queueing it past its deadline.",
         kind: Kind::Routing(Box::new(Routing {
-            reports_overload: true,
-            ..small_replicas(
-                replicas,
-                Poisson {
-                    load_fraction: 1.5,
-                    burst: 0,
-                    lengths: TYPICAL_LENGTHS,
-                    stream_fraction: 1.0,
-                    duration: 20.0,
-                },
-            )
+            seed_of: Some("overload"),
+            ..overload_routing(Mix {
+                deadline_from_slo: true,
+                ..Mix::default()
+            })
         })),
+    }
+}
+
+/// 4 equal replicas (speed 1) under `load_fraction` of their capacity for 20 s, every request
+/// streamed, carrying `mix`.
+fn equal_replicas(load_fraction: f64, mix: Mix) -> Routing {
+    small_replicas(
+        replicas(&[1.0; 4]),
+        Poisson {
+            load_fraction,
+            burst: 0,
+            lengths: TYPICAL_LENGTHS,
+            stream_fraction: 1.0,
+            duration: 20.0,
+            mix,
+        },
+    )
+}
+
+/// 4 equal replicas at `load_fraction` carrying `classes` (the scenario `parent`'s schedule),
+/// or only the class `only` of it.
+fn classed_routing(
+    parent: &'static str,
+    load_fraction: f64,
+    classes: Vec<Class>,
+    only: Option<&'static str>,
+) -> Routing {
+    let mix = Mix {
+        classes,
+        only,
+        ..Mix::default()
+    };
+    Routing {
+        reports_overload: only.is_none(),
+        seed_of: Some(parent),
+        ..equal_replicas(load_fraction, mix)
+    }
+}
+
+/// The traffic of `noisy-tenant`, or of one of its tenants alone.
+fn noisy_tenant_routing(only: Option<&'static str>) -> Routing {
+    let classes = vec![
+        Class::new("a", 10.0 / 11.0, &[(TENANT_HEADER, "a")]),
+        Class::new("b", 1.0 / 11.0, &[(TENANT_HEADER, "b")]),
+    ];
+    classed_routing("noisy-tenant", 1.2, classes, only)
+}
+
+fn noisy_tenant() -> Scenario {
+    Scenario {
+        name: "noisy-tenant",
+        models: "One tenant floods a shared endpoint: 4 equal replicas at 120% of their capacity for 20 s, tenant a (`x-tenant-id: a`) sending 10 times the rate of tenant b (`x-tenant-id: b`). The router reads the tenant only when run with `queue.tenant_header = \"x-tenant-id\"` (peer `queued-least-latency:config.queue.tenant_header=x-tenant-id`): then its queue serves the tenants in fair shares. What matters: b's latency against noisy-tenant-alone.",
+        kind: Kind::Routing(Box::new(noisy_tenant_routing(None))),
+    }
+}
+
+fn noisy_tenant_alone() -> Scenario {
+    Scenario {
+        name: "noisy-tenant-alone",
+        models: "The baseline of noisy-tenant: its tenant b alone (the same schedule with a's requests left out: the same b requests at the same times, 11% of the replicas' capacity), b's latency when no tenant floods the endpoint.",
+        kind: Kind::Routing(Box::new(noisy_tenant_routing(Some("b")))),
+    }
+}
+
+/// The traffic of `priority`, or of one of its classes alone.
+fn priority_routing(only: Option<&'static str>) -> Routing {
+    let classes = vec![
+        Class::new("high", 0.2, &[(PRIORITY_HEADER, "high")]),
+        Class::new("normal", 0.8, &[]),
+    ];
+    classed_routing("priority", 1.5, classes, only)
+}
+
+fn priority() -> Scenario {
+    Scenario {
+        name: "priority",
+        models: "Priority under overload: 4 equal replicas at 150% of their capacity for 20 s, 20% of the requests marked `x-priority: high`, the others without the header (normal). The router's queue dispatches the high band first; what matters: the high requests' latency against priority-alone, and what the normal ones pay.",
+        kind: Kind::Routing(Box::new(priority_routing(None))),
+    }
+}
+
+fn priority_alone() -> Scenario {
+    Scenario {
+        name: "priority-alone",
+        models: "The baseline of priority: its high requests alone (the same schedule with the normal requests left out, 30% of the replicas' capacity), their latency on replicas that are not overloaded.",
+        kind: Kind::Routing(Box::new(priority_routing(Some("high")))),
     }
 }
 
@@ -340,6 +523,8 @@ fn llm(replica_count: usize, engine: SimConfig, workload: Workload, slo: Slo) ->
         traffic: Traffic::Users(workload),
         slo,
         reports_overload: false,
+        seed_of: None,
+        classifier: None,
     }
 }
 
@@ -409,33 +594,53 @@ fn prefix_session() -> Scenario {
     }
 }
 
+/// The prompt tokens from which a `long-context` request is a document.
+const LONG_PROMPT_TOKENS: u64 = 2_000;
+
+/// `short` (a chat) or `long` (a document), by the prompt's tokens.
+fn prompt_class(record: &Record) -> Option<&'static str> {
+    Some(if record.prompt_tokens < LONG_PROMPT_TOKENS {
+        "short"
+    } else {
+        "long"
+    })
+}
+
 fn long_context() -> Scenario {
+    let routing = llm(
+        4,
+        llm_engine(128, 200_000, 50_000),
+        Workload::Documents(Documents {
+            rate: 14.0,
+            duration: 40.0,
+            long_fraction: 0.25,
+            long_prompt_tokens: (2_000, 32_000),
+            short_prompt_tokens: (100, 1_000),
+            answer_tokens: Lengths::LogNormal {
+                median: 200.0,
+                sigma: 0.5,
+                min: 50,
+                max: 1_000,
+            },
+        }),
+        // A first token within 2 s plus twice the prefill of the prompt on an idle replica.
+        Slo {
+            ttft_seconds: 2.0,
+            ttft_seconds_per_prompt_token: 0.000_1,
+            tpot_seconds: 0.100,
+        },
+    );
     Scenario {
         name: "long-context",
         models: "Long documents among short chats: prompts from 100 to 32k tokens. A long prefill fills a replica's steps (chunked prefill) and slows every stream it decodes, and a long prompt reserves much of its KV cache.",
-        kind: Kind::Routing(Box::new(llm(
-            4,
-            llm_engine(128, 200_000, 50_000),
-            Workload::Documents(Documents {
-                rate: 14.0,
-                duration: 40.0,
-                long_fraction: 0.25,
-                long_prompt_tokens: (2_000, 32_000),
-                short_prompt_tokens: (100, 1_000),
-                answer_tokens: Lengths::LogNormal {
-                    median: 200.0,
-                    sigma: 0.5,
-                    min: 50,
-                    max: 1_000,
-                },
+        kind: Kind::Routing(Box::new(Routing {
+            classifier: Some(Classifier {
+                names: &["short", "long"],
+                about: "short: prompts under 2,000 tokens (the chats); long: the documents (2,000 to 32,000 tokens)",
+                class_of: prompt_class,
             }),
-            // A first token within 2 s plus twice the prefill of the prompt on an idle replica.
-            Slo {
-                ttft_seconds: 2.0,
-                ttft_seconds_per_prompt_token: 0.000_1,
-                tpot_seconds: 0.100,
-            },
-        ))),
+            ..routing
+        })),
     }
 }
 
@@ -541,12 +746,127 @@ impl Routing {
         )
     }
 
-    /// The offered arrival rate, for Poisson traffic.
+    /// The offered arrival rate, for Poisson traffic (of the class sent alone, when one is).
     pub fn rate(&self) -> Option<f64> {
         let Traffic::Poisson(poisson) = &self.traffic else {
             return None;
         };
+        let share = match poisson.mix.only {
+            Some(only) => poisson
+                .mix
+                .classes
+                .iter()
+                .filter(|class| class.name == only)
+                .map(|class| class.share)
+                .sum(),
+            None => 1.0,
+        };
+        Some(share * self.arrival_rate()?)
+    }
+
+    /// The arrival rate of the schedule drawn (before a class alone is kept).
+    fn arrival_rate(&self) -> Option<f64> {
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return None;
+        };
         Some(poisson.load_fraction * self.capacity()?)
+    }
+
+    /// The requests of one run of a Poisson traffic: `load` drawn with the traffic's classes and
+    /// header fields, only the class sent alone kept when one is.
+    pub fn schedule(&self, load: &OpenLoop, mode: Mode) -> Vec<Planned> {
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return Vec::new();
+        };
+        let mut headers = Vec::new();
+        if let Some(millis) = self.deadline_millis(mode) {
+            headers.push((
+                http::HeaderName::from_static(DEADLINE_HEADER),
+                http::HeaderValue::from(millis),
+            ));
+        }
+        let mut schedule = load::plan_classes(load, &poisson.mix.classes, &headers);
+        if let Some(only) = poisson.mix.only {
+            schedule.retain(|planned| planned.class == Some(only));
+        }
+        schedule
+    }
+
+    /// The [`DEADLINE_HEADER`] value of every request in `mode`, when the traffic sends one:
+    /// the SLO's first-token bound as the run sees it, in milliseconds.
+    pub fn deadline_millis(&self, mode: Mode) -> Option<u64> {
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return None;
+        };
+        poisson.mix.deadline_from_slo.then(|| {
+            let slo = self.slo.scaled(self.time_compression(mode));
+            (slo.ttft_seconds * 1000.0).round() as u64
+        })
+    }
+
+    /// The classes with numbers of their own, in report order: the classifier's, or the
+    /// classes of a Poisson traffic (only the one sent alone, when one is).
+    pub fn class_names(&self) -> Vec<String> {
+        if let Some(classifier) = &self.classifier {
+            return classifier.names.iter().map(|&n| n.to_owned()).collect();
+        }
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return Vec::new();
+        };
+        poisson
+            .mix
+            .classes
+            .iter()
+            .filter(|class| poisson.mix.only.is_none_or(|only| only == class.name))
+            .map(|class| class.name.to_owned())
+            .collect()
+    }
+
+    /// The class of `record`: by the classifier, or the class drawn for it.
+    pub fn class_of(&self, record: &Record) -> Option<&'static str> {
+        match &self.classifier {
+            Some(classifier) => (classifier.class_of)(record),
+            None => record.class,
+        }
+    }
+
+    /// What the classes are, one line (empty without classes).
+    pub fn describe_classes(&self) -> String {
+        if let Some(classifier) = &self.classifier {
+            return classifier.about.to_owned();
+        }
+        let Traffic::Poisson(poisson) = &self.traffic else {
+            return String::new();
+        };
+        let classes: Vec<String> = poisson
+            .mix
+            .classes
+            .iter()
+            .map(|class| {
+                let headers: Vec<String> = class
+                    .headers
+                    .iter()
+                    .map(|(name, value)| {
+                        format!("`{name}: {}`", value.to_str().unwrap_or("(binary)"))
+                    })
+                    .collect();
+                format!(
+                    "{} {:.1}% of arrivals ({})",
+                    class.name,
+                    class.share * 100.0,
+                    if headers.is_empty() {
+                        "no header".to_owned()
+                    } else {
+                        headers.join(", ")
+                    }
+                )
+            })
+            .collect();
+        let mut text = classes.join("; ");
+        if let Some(only) = poisson.mix.only {
+            let _ = write!(text, "; only the requests of class {only} are sent");
+        }
+        text
     }
 
     /// The open-loop load of one run, for Poisson traffic.
@@ -556,7 +876,7 @@ impl Routing {
         };
         let duration = Duration::from_secs_f64(poisson.duration * mode.time_scale());
         Some(OpenLoop {
-            rate: self.rate()?,
+            rate: self.arrival_rate()?,
             duration,
             burst: poisson.burst,
             lengths: poisson.lengths.clone(),
@@ -613,7 +933,23 @@ impl Routing {
                 self.replicas.len(),
                 after * mode.time_scale()
             )
-        })
+        }) + &self.describe_mix(poisson, mode)
+    }
+
+    /// The classes, the header fields of every request and the borrowed seed, as a tail of the
+    /// set-up line.
+    fn describe_mix(&self, poisson: &Poisson, mode: Mode) -> String {
+        let mut text = String::new();
+        if !poisson.mix.classes.is_empty() {
+            let _ = write!(text, "; classes: {}", self.describe_classes());
+        }
+        if let Some(millis) = self.deadline_millis(mode) {
+            let _ = write!(text, "; every request with `{DEADLINE_HEADER}: {millis}`");
+        }
+        if let Some(name) = self.seed_of {
+            let _ = write!(text, "; the seed (and schedule) of {name}");
+        }
+        text
     }
 
     fn describe_engine(&self, mode: Mode) -> String {
@@ -738,7 +1074,7 @@ async fn run_routing(
     peer: &PeerSpec,
     context: RunContext<'_>,
 ) -> Result<PeerRun, LabError> {
-    let seed = scenario_seed(scenario, context.seed);
+    let seed = scenario_seed(routing.seed_of.unwrap_or(scenario), context.seed);
     let replicas = start_replicas(routing, seed, context.mode).await?;
     let addresses: Vec<String> = replicas.iter().map(|r| r.address.clone()).collect();
     let stats: Vec<Arc<SimStats>> = replicas
@@ -752,7 +1088,7 @@ async fn run_routing(
     let load_task = match (&routing.traffic, routing.open_loop(context.mode, seed)) {
         (Traffic::Poisson(_), Some(load)) => tokio::spawn(load::run_open_loop(
             running.addr(),
-            load::plan(&load),
+            routing.schedule(&load, context.mode),
             load.request_timeout,
             None,
         )),
@@ -792,6 +1128,13 @@ async fn run_routing(
     let names: Vec<String> = routing.replicas.iter().map(|r| r.name.clone()).collect();
     let slo = routing.slo.scaled(routing.time_compression(context.mode));
     let mut metrics = report::summarize(&records, &names, &slo);
+    let classes = routing.class_names();
+    if !classes.is_empty() {
+        let class_of = |record: &Record| routing.class_of(record);
+        metrics.extend(report::summarize_classes(
+            &records, &classes, class_of, &slo,
+        ));
+    }
     if routing.engine.prefix_cache_tokens > 0 {
         add_prefix_cache_metrics(&mut metrics, &stats);
     }

@@ -218,6 +218,9 @@ impl Balancer {
                     .any(|(a, b)| !Arc::ptr_eq(a, b))
         };
         if changed {
+            // Capacity changed: the queue's dispatch rate is measured afresh, and nothing is
+            // refused on the old one while capacity arrives.
+            queue.rate.reset();
             let eligible = Arc::new(eligible);
             self.eligible.store(Arc::clone(&eligible));
             self.strategy.load().on_backends_changed(&eligible);

@@ -1,0 +1,383 @@
+//! The router queue's order and admission: priority bands, fair shares between tenants, and
+//! the dispatch rate that predicts when a new request would start.
+//!
+//! - **Bands.** Each request is `high`, `normal` or `low` (the `queue.priority_header`; absent
+//!   or unknown: `normal`). A higher band dispatches first, except that a request of a lower
+//!   band that has waited `queue.priority_aging` goes before the higher bands (aging: a low
+//!   request waits at most about that long behind a stream of higher ones).
+//! - **Tenants.** With `queue.tenant_header` set, a band serves its tenants in fair shares of
+//!   cost (start-time fair queueing): a request's tag is its tenant's last tag, or the band's
+//!   virtual time if later, plus its cost (prompt tokens + expected output tokens); the
+//!   smallest tag goes first. A tenant sending ten times as much waits behind itself, not in
+//!   front of the others; an idle tenant banks no credit. State is kept only for tenants with
+//!   requests queued, so memory is bounded by the queue. Without a tenant header every request
+//!   is the same tenant and a band is a FIFO.
+//! - **Dispatch rate.** While requests wait, the rate at which the queue hands them to backends
+//!   is measured (windows of at least [`RATE_WINDOW`], smoothed). A new request would start
+//!   after the requests ahead of it have gone: `(ahead + 1) / rate`. A new set of eligible
+//!   backends forgets the rate (capacity is arriving: nothing is refused on the old one).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::{Lease, Rejection};
+use crate::backend::Backend;
+use crate::strategy::RequestInfo;
+
+/// A request's priority band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Band {
+    /// Dispatched first.
+    High,
+    /// The default.
+    #[default]
+    Normal,
+    /// Dispatched last (aging bounds its wait).
+    Low,
+}
+
+impl Band {
+    /// Every band, highest first.
+    pub const ALL: [Band; 3] = [Band::High, Band::Normal, Band::Low];
+
+    /// The band a priority header's value names: `high`, `normal` or `low`, in any case;
+    /// anything else is `normal`.
+    pub fn of_header(value: &[u8]) -> Band {
+        let value = value.trim_ascii();
+        if value.eq_ignore_ascii_case(b"high") {
+            Band::High
+        } else if value.eq_ignore_ascii_case(b"low") {
+            Band::Low
+        } else {
+            Band::Normal
+        }
+    }
+
+    /// Its name, as in the header and the metrics' `band` attribute.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Band::High => "high",
+            Band::Normal => "normal",
+            Band::Low => "low",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// How a request is queued: its band, its tenant and its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Admission {
+    /// Its priority band.
+    pub band: Band,
+    /// A hash of its tenant key (0: no tenant header configured or present).
+    pub tenant: u64,
+    /// How long it may wait to start, as the client stated it (`queue.deadline_header`); the
+    /// queue's `timeout` bounds it.
+    pub deadline: Option<Duration>,
+}
+
+/// The shortest window a dispatch-rate sample is read over.
+pub(super) const RATE_WINDOW: Duration = Duration::from_millis(100);
+/// Weight of a new sample in the dispatch rate.
+const RATE_SMOOTHING: f64 = 0.3;
+
+/// The rate at which queued requests are dispatched, measured while the queue holds some.
+#[derive(Debug, Default)]
+pub(super) struct DispatchRate {
+    /// Requests per second (`None`: not measured since the last reset).
+    per_second: Option<f64>,
+    /// The open window: when it began and how many left the queue in it.
+    window: Option<(Instant, u32)>,
+}
+
+impl DispatchRate {
+    /// The queue just became non-empty at `now`.
+    fn opened(&mut self, now: Instant) {
+        if self.window.is_none() {
+            self.window = Some((now, 0));
+        }
+    }
+
+    /// A queued request was dispatched at `now`; `empty` when none is left.
+    fn dispatched(&mut self, now: Instant, empty: bool) {
+        let Some((start, count)) = self.window.as_mut() else {
+            return;
+        };
+        *count += 1;
+        let elapsed = now.saturating_duration_since(*start);
+        if elapsed >= RATE_WINDOW {
+            let sample = f64::from(*count) / elapsed.as_secs_f64();
+            self.per_second = Some(match self.per_second {
+                Some(old) => old + RATE_SMOOTHING * (sample - old),
+                None => sample,
+            });
+            *start = now;
+            *count = 0;
+        }
+        if empty {
+            self.window = None;
+        }
+    }
+
+    /// Capacity changed (a new eligible set): the rate is measured afresh.
+    pub(super) fn reset(&mut self) {
+        self.per_second = None;
+        if let Some((start, count)) = self.window.as_mut() {
+            *start = Instant::now();
+            *count = 0;
+        }
+    }
+
+    /// When a request with `ahead` requests before it would be dispatched, from `now`: `None`
+    /// while the rate is unknown. A window that has run longer than the rate allows for the
+    /// dispatches it saw counts at its own, lower rate (the queue may have stopped moving).
+    pub(super) fn predicted_wait(&self, ahead: usize, now: Instant) -> Option<Duration> {
+        let mut rate = self.per_second?;
+        if let Some((start, count)) = self.window {
+            let open = now.saturating_duration_since(start).as_secs_f64();
+            if open >= RATE_WINDOW.as_secs_f64() {
+                rate = rate.min(f64::from(count + 1) / open);
+            }
+        }
+        let seconds = (ahead as f64 + 1.0) / rate.max(1e-6);
+        Some(Duration::from_secs_f64(seconds.min(1e6)))
+    }
+}
+
+/// One queued request.
+pub(super) struct Waiter {
+    pub(super) seq: u64,
+    pub(super) info: RequestInfo,
+    /// Backends this request already tried (a retry): picked only when no other is eligible.
+    pub(super) excluded: Vec<Arc<Backend>>,
+    pub(super) enqueued_at: Instant,
+    pub(super) band: Band,
+    pub(super) reply: oneshot::Sender<Result<Lease, Rejection>>,
+    /// Its fair-queueing tag (see the module docs).
+    tag: u64,
+}
+
+/// Where a waiter is: its band, tenant and sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Place {
+    band: Band,
+    tenant: u64,
+    pub(super) seq: u64,
+}
+
+#[derive(Default)]
+struct Tenant {
+    /// Its requests, oldest (and smallest tag) first.
+    waiters: VecDeque<Waiter>,
+    /// The tag of its last request.
+    last_tag: u64,
+}
+
+#[derive(Default)]
+struct BandQueue {
+    tenants: HashMap<u64, Tenant>,
+    /// The tag of the last request dispatched from it.
+    virtual_time: u64,
+    len: usize,
+}
+
+impl BandQueue {
+    /// The tenant whose head has the smallest tag.
+    fn next_tenant(&self) -> Option<u64> {
+        self.tenants
+            .iter()
+            .filter_map(|(key, tenant)| Some((tenant.waiters.front()?.tag, *key)))
+            .min()
+            .map(|(_, key)| key)
+    }
+
+    /// When its oldest request was queued.
+    fn oldest(&self) -> Option<Instant> {
+        self.tenants
+            .values()
+            .filter_map(|tenant| tenant.waiters.front().map(|w| w.enqueued_at))
+            .min()
+    }
+
+    /// Requests that go before a new one of `tenant` with `cost`.
+    fn ahead_of(&self, tenant: u64, cost: u64) -> usize {
+        if self.tenants.len() <= 1 && self.tenants.contains_key(&tenant) {
+            return self.len;
+        }
+        let tag = self
+            .tenants
+            .get(&tenant)
+            .map_or(self.virtual_time, |t| t.last_tag.max(self.virtual_time))
+            + cost;
+        self.tenants
+            .values()
+            .map(|t| t.waiters.partition_point(|w| w.tag < tag))
+            .sum()
+    }
+
+    fn remove_from(
+        &mut self,
+        tenant: u64,
+        at: impl FnOnce(&VecDeque<Waiter>) -> Option<usize>,
+    ) -> Option<Waiter> {
+        let queue = self.tenants.get_mut(&tenant)?;
+        let index = at(&queue.waiters)?;
+        let waiter = queue.waiters.remove(index)?;
+        if queue.waiters.is_empty() {
+            self.tenants.remove(&tenant);
+        }
+        self.len -= 1;
+        Some(waiter)
+    }
+}
+
+/// The queue: a [`BandQueue`] per band.
+#[derive(Default)]
+pub(super) struct Queue {
+    bands: [BandQueue; 3],
+    next_seq: u64,
+    len: usize,
+    /// The dispatch rate.
+    pub(super) rate: DispatchRate,
+}
+
+impl Queue {
+    /// Requests waiting.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Requests that would be dispatched before a new one of `admission` and `cost`: those of
+    /// higher bands, and those of its band with a smaller tag.
+    pub(super) fn ahead_of(&self, admission: &Admission, cost: u64) -> usize {
+        self.bands[..admission.band.index()]
+            .iter()
+            .map(|band| band.len)
+            .sum::<usize>()
+            + self.bands[admission.band.index()].ahead_of(admission.tenant, cost)
+    }
+
+    /// Queues a request; returns its place.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push(
+        &mut self,
+        info: RequestInfo,
+        excluded: Vec<Arc<Backend>>,
+        admission: &Admission,
+        cost: u64,
+        enqueued_at: Instant,
+        reply: oneshot::Sender<Result<Lease, Rejection>>,
+    ) -> Place {
+        if self.len == 0 {
+            self.rate.opened(enqueued_at);
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let band = &mut self.bands[admission.band.index()];
+        let virtual_time = band.virtual_time;
+        let tenant = band.tenants.entry(admission.tenant).or_default();
+        let tag = tenant
+            .last_tag
+            .max(virtual_time)
+            .saturating_add(cost.max(1));
+        tenant.last_tag = tag;
+        tenant.waiters.push_back(Waiter {
+            seq,
+            info,
+            excluded,
+            enqueued_at,
+            band: admission.band,
+            reply,
+            tag,
+        });
+        band.len += 1;
+        self.len += 1;
+        Place {
+            band: admission.band,
+            tenant: admission.tenant,
+            seq,
+        }
+    }
+
+    /// The place of the request to dispatch next at `now`: in the lower band whose oldest
+    /// request has waited `aging` (the one with the older, if both), else in the highest band
+    /// holding requests; within the band, the smallest tag.
+    pub(super) fn next(&self, now: Instant, aging: Duration) -> Option<Place> {
+        let aged = Band::ALL[1..]
+            .iter()
+            .filter_map(|band| {
+                let oldest = self.bands[band.index()].oldest()?;
+                (now.saturating_duration_since(oldest) >= aging).then_some((oldest, *band))
+            })
+            .min()
+            .map(|(_, band)| band);
+        let band = aged.or_else(|| {
+            Band::ALL
+                .into_iter()
+                .find(|band| self.bands[band.index()].len > 0)
+        })?;
+        let queue = &self.bands[band.index()];
+        let tenant = queue.next_tenant()?;
+        let seq = queue.tenants.get(&tenant)?.waiters.front()?.seq;
+        Some(Place { band, tenant, seq })
+    }
+
+    /// The waiter at `place`, if still queued.
+    pub(super) fn get(&self, place: Place) -> Option<&Waiter> {
+        let waiters = &self.bands[place.band.index()]
+            .tenants
+            .get(&place.tenant)?
+            .waiters;
+        let index = waiters.binary_search_by_key(&place.seq, |w| w.seq).ok()?;
+        waiters.get(index)
+    }
+
+    /// Takes the waiter at `place` out to dispatch it at `now`.
+    pub(super) fn dispatch(&mut self, place: Place, now: Instant) -> Option<Waiter> {
+        let waiter = self.remove(place)?;
+        let band = &mut self.bands[place.band.index()];
+        band.virtual_time = band.virtual_time.max(waiter.tag);
+        self.rate.dispatched(now, self.len == 0);
+        Some(waiter)
+    }
+
+    /// Takes the waiter at `place` out (gone, timed out); `None` if it was not queued.
+    pub(super) fn remove(&mut self, place: Place) -> Option<Waiter> {
+        let waiter = self.bands[place.band.index()].remove_from(place.tenant, |waiters| {
+            waiters.binary_search_by_key(&place.seq, |w| w.seq).ok()
+        })?;
+        self.len -= 1;
+        if self.len == 0 {
+            self.rate.window = None;
+        }
+        Some(waiter)
+    }
+
+    /// Takes out the request to evict when the queue is full: in the lowest band holding
+    /// requests, the oldest of the tenant holding the most.
+    pub(super) fn evict(&mut self) -> Option<Waiter> {
+        let band = Band::ALL
+            .into_iter()
+            .rev()
+            .find(|band| self.bands[band.index()].len > 0)?;
+        let queue = &self.bands[band.index()];
+        let tenant = queue
+            .tenants
+            .iter()
+            .max_by_key(|(_, t)| t.waiters.len())
+            .map(|(key, _)| *key)?;
+        let seq = queue.tenants.get(&tenant)?.waiters.front()?.seq;
+        self.remove(Place { band, tenant, seq })
+    }
+}

@@ -318,10 +318,11 @@ impl Default for LoadState {
     }
 }
 
-/// How fast a raised TTFB baseline catches up (per sample), so a replica that became slower for
-/// good is not judged against its old best forever. Slow on purpose: under sustained overload
-/// every TTFB is high, and a baseline that followed it would let the limit climb until the
-/// replicas' own queues overflow.
+/// How fast a raised TTFB baseline catches up (per sample of a backend using less than half of
+/// its limit), so a replica that became slower for good is not judged against its old best
+/// forever. Slow on purpose, and not from busy backends: under sustained overload every TTFB is
+/// high, and a baseline that followed it would let the limit climb until the replicas' own
+/// queues overflow.
 const BASELINE_DRIFT: f64 = 0.002;
 /// Weight of a new limit estimate.
 const LIMIT_SMOOTHING: f64 = 0.2;
@@ -674,9 +675,15 @@ impl QueuedLeastLatency {
         // The fixed delay is read off first bytes with little prefill: where the prefill is
         // long, an error in the rate would pass for a shorter (even zero) fixed delay, and every
         // short prompt after it would look late.
+        // It drifts up only from first bytes of a backend using less than half of its limit (or
+        // holding this request alone): under sustained load every first byte waits, and a
+        // baseline that followed them would let the limit climb until the replica's own queue
+        // holds what the router queue should.
         let residual = (ttfb - prefill as f64 * state.prefill_rate).max(0.0);
+        let drifts = busy < state.limit / 2.0 || busy <= 1.0;
         let baseline = match state.history.ttfb_baseline {
             _ if prefill >= MIN_PREFILL_SAMPLE => state.history.ttfb_baseline,
+            Some(old) if residual >= old && !drifts => Some(old),
             Some(old) if residual >= old => Some(old + (residual - old) * BASELINE_DRIFT),
             _ => Some(residual),
         };
@@ -921,6 +928,34 @@ mod tests {
         let before = strategy.limit(&replica);
         strategy.learn_first_byte(&replica, &first_byte(1.02 + 8_000.0 * rate, 8_000, 0));
         assert!(strategy.limit(&replica) < before);
+    }
+
+    #[test]
+    fn sustained_queueing_does_not_become_the_baseline() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(6);
+        busy(&replica, 4);
+        strategy.learn_first_byte(&replica, &first_byte(0.025, 0, 0));
+        // Twenty seconds of overload: every first byte waits 300 ms in the replica's own queue
+        // while the router keeps it busy. Each is late, and stays late: the limit never climbs
+        // back (were the baseline to follow, 0.3 s would read as on time within a few hundred
+        // samples and the limit would grow without bound).
+        for _ in 0..2_000 {
+            strategy.learn_first_byte(&replica, &first_byte(0.3, 0, 0));
+        }
+        assert_eq!(strategy.limit(&replica), 1.0);
+        // A backend holding only the request itself measures its fixed delay: a replica that
+        // became slower for good is learned again.
+        let alone = backend(7);
+        busy(&alone, 1);
+        strategy.learn_first_byte(&alone, &first_byte(0.025, 0, 0));
+        for _ in 0..3_000 {
+            strategy.learn_first_byte(&alone, &first_byte(0.3, 0, 0));
+        }
+        busy(&alone, 3);
+        let before = strategy.limit(&alone);
+        strategy.learn_first_byte(&alone, &first_byte(0.3, 0, 0));
+        assert!(strategy.limit(&alone) >= before);
     }
 
     #[test]

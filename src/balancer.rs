@@ -445,12 +445,12 @@ impl Balancer {
                 self.metrics.rejected.add(1, &[]);
                 return Err(Rejection::NoBackend);
             }
-            let band = [KeyValue::new("band", admission.band.as_str())];
+            let band = KeyValue::new("band", admission.band.as_str());
             if let Some(drain) = self.overloaded_locked(&queue) {
                 drop(queue);
                 self.metrics
                     .shed
-                    .add(1, &[band[0].clone(), KeyValue::new("reason", "ratio")]);
+                    .add(1, &[band, KeyValue::new("reason", "ratio")]);
                 return Err(Rejection::Overloaded(drain));
             }
             // The clock is read only for a request that waits.
@@ -464,7 +464,7 @@ impl Balancer {
                     drop(queue);
                     self.metrics
                         .shed
-                        .add(1, &[band[0].clone(), KeyValue::new("reason", "deadline")]);
+                        .add(1, &[band, KeyValue::new("reason", "deadline")]);
                     let seconds = wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u32;
                     return Err(Rejection::Overloaded(seconds));
                 }

@@ -1,6 +1,8 @@
 //! Ejection, busy pauses, panic mode and slow start, driven through the balancer with paused
 //! tokio time.
 
+mod paused;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,6 +11,7 @@ use custom_router::balancer::{Balancer, Finish, Lease};
 use custom_router::config::{Config, Settings};
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
+use paused::settle;
 use tokio::time::advance;
 
 fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
@@ -28,12 +31,6 @@ async fn admit(balancer: &Arc<Balancer>) -> Lease {
         .await
         .expect("admitted at once")
         .expect("a lease")
-}
-
-async fn settle() {
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
 }
 
 /// Where the next `n` admissions go, by address (each lease released at once).

@@ -6,39 +6,23 @@
 //! request lets exactly one waiter go, and the dispatch rate is the rate the test finishes them
 //! at.
 
+mod paused;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use custom_router::balancer::{Admission, Balancer, Band, Finish, Lease, Rejection};
-use custom_router::config::{Config, Settings};
+use custom_router::balancer::{Admission, Balancer, Band, Lease, Rejection};
+use custom_router::config::Config;
 use custom_router::strategies::RequestInfo;
-use http::StatusCode;
+use paused::{OK, ewma_balancer, settle};
 use tokio::task::JoinHandle;
 use tokio::time::advance;
 
-const OK: Finish = Finish {
-    status: Some(StatusCode::OK),
-    error: None,
-    retry_after: None,
-    bytes: 0,
-};
-
 fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
-    let mut config = Config::default();
-    config.strategy.name = "queued-least-latency".to_owned();
-    config
-        .strategy
-        .params
-        .insert("score".into(), figment::value::Value::from("ewma"));
-    config.latency.threshold = Duration::from_millis(50);
-    configure(&mut config);
-    Settings::from_config(config).unwrap().balancer().unwrap()
-}
-
-async fn settle() {
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
+    ewma_balancer(|config| {
+        config.latency.threshold = Duration::from_millis(50);
+        configure(config);
+    })
 }
 
 /// One backend measured at 1 s (above the threshold: one request at a time), with one request

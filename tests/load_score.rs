@@ -2,6 +2,8 @@
 //! size-normalised cost, learned concurrency limits, and the router queue taking over when every
 //! replica is at its limit.
 
+mod paused;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,6 +12,7 @@ use custom_router::balancer::{Balancer, Finish, Lease};
 use custom_router::config::{Config, Settings};
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
+use paused::settle;
 use tokio::task::JoinHandle;
 use tokio::time::advance;
 
@@ -29,12 +32,6 @@ async fn admit_now(balancer: &Arc<Balancer>) -> Lease {
         .await
         .expect("admitted without waiting")
         .expect("a lease")
-}
-
-async fn settle() {
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
 }
 
 /// Admits requests for as long as they go straight out (at most `most`).

@@ -2,34 +2,23 @@
 //! through the balancer with paused tokio time (no sockets: the rules are about counts and
 //! clocks).
 
+mod paused;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use custom_router::backend::{Backend, ErrorKind};
 use custom_router::balancer::{Admission, Balancer, Finish, Lease, Rejection};
-use custom_router::config::{Config, Settings};
+use custom_router::config::Config;
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
+use paused::{OK, ewma_balancer, settle};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, advance};
 
-const OK: Finish = Finish {
-    status: Some(StatusCode::OK),
-    error: None,
-    retry_after: None,
-    bytes: 0,
-};
-
 /// A queued-least-latency balancer with the reference rules (`score = "ewma"`).
 fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
-    let mut config = Config::default();
-    config.strategy.name = "queued-least-latency".to_owned();
-    config
-        .strategy
-        .params
-        .insert("score".into(), figment::value::Value::from("ewma"));
-    configure(&mut config);
-    Settings::from_config(config).unwrap().balancer().unwrap()
+    ewma_balancer(configure)
 }
 
 fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {
@@ -51,12 +40,6 @@ async fn admit_later(balancer: &Arc<Balancer>) -> JoinHandle<Result<Lease, Rejec
     let task = tokio::spawn(async move { balancer.admit(RequestInfo::default()).await });
     settle().await;
     task
-}
-
-async fn settle() {
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
 }
 
 /// Finishes `lease` successfully after `latency` of paused time.

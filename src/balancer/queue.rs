@@ -153,7 +153,7 @@ impl DispatchRate {
 
 /// One queued request.
 pub(super) struct Waiter {
-    pub(super) seq: u64,
+    seq: u64,
     pub(super) info: RequestInfo,
     /// Backends this request already tried (a retry): picked only when no other is eligible.
     pub(super) excluded: Vec<Arc<Backend>>,
@@ -169,7 +169,7 @@ pub(super) struct Waiter {
 pub(super) struct Place {
     band: Band,
     tenant: u64,
-    pub(super) seq: u64,
+    seq: u64,
 }
 
 #[derive(Default)]
@@ -178,6 +178,13 @@ struct Tenant {
     waiters: VecDeque<Waiter>,
     /// The tag of its last request.
     last_tag: u64,
+}
+
+impl Tenant {
+    /// Where its request `seq` is (sequence numbers grow from front to back).
+    fn index_of(&self, seq: u64) -> Option<usize> {
+        self.waiters.binary_search_by_key(&seq, |w| w.seq).ok()
+    }
 }
 
 #[derive(Default)]
@@ -206,29 +213,29 @@ impl BandQueue {
             .min()
     }
 
-    /// Requests that go before a new one of `tenant` with `cost`.
-    fn ahead_of(&self, tenant: u64, cost: u64) -> usize {
-        if self.tenants.len() <= 1 && self.tenants.contains_key(&tenant) {
-            return self.len;
-        }
-        let tag = self
-            .tenants
+    /// The tag a new request of `tenant` with `cost` gets: the tenant's last tag, or the band's
+    /// virtual time if later, plus the cost.
+    fn tag_for(&self, tenant: u64, cost: u64) -> u64 {
+        self.tenants
             .get(&tenant)
-            .map_or(self.virtual_time, |t| t.last_tag.max(self.virtual_time))
-            + cost;
+            .map_or(0, |t| t.last_tag)
+            .max(self.virtual_time)
+            .saturating_add(cost.max(1))
+    }
+
+    /// Requests that go before a new one of `tenant` with `cost`: those with a smaller tag.
+    fn ahead_of(&self, tenant: u64, cost: u64) -> usize {
+        let tag = self.tag_for(tenant, cost);
         self.tenants
             .values()
             .map(|t| t.waiters.partition_point(|w| w.tag < tag))
             .sum()
     }
 
-    fn remove_from(
-        &mut self,
-        tenant: u64,
-        at: impl FnOnce(&VecDeque<Waiter>) -> Option<usize>,
-    ) -> Option<Waiter> {
+    /// Takes out the request `seq` of `tenant`.
+    fn remove(&mut self, tenant: u64, seq: u64) -> Option<Waiter> {
         let queue = self.tenants.get_mut(&tenant)?;
-        let index = at(&queue.waiters)?;
+        let index = queue.index_of(seq)?;
         let waiter = queue.waiters.remove(index)?;
         if queue.waiters.is_empty() {
             self.tenants.remove(&tenant);
@@ -285,12 +292,8 @@ impl Queue {
         let seq = self.next_seq;
         self.next_seq += 1;
         let band = &mut self.bands[admission.band.index()];
-        let virtual_time = band.virtual_time;
+        let tag = band.tag_for(admission.tenant, cost);
         let tenant = band.tenants.entry(admission.tenant).or_default();
-        let tag = tenant
-            .last_tag
-            .max(virtual_time)
-            .saturating_add(cost.max(1));
         tenant.last_tag = tag;
         tenant.waiters.push_back(Waiter {
             seq,
@@ -335,12 +338,8 @@ impl Queue {
 
     /// The waiter at `place`, if still queued.
     pub(super) fn get(&self, place: Place) -> Option<&Waiter> {
-        let waiters = &self.bands[place.band.index()]
-            .tenants
-            .get(&place.tenant)?
-            .waiters;
-        let index = waiters.binary_search_by_key(&place.seq, |w| w.seq).ok()?;
-        waiters.get(index)
+        let tenant = self.bands[place.band.index()].tenants.get(&place.tenant)?;
+        tenant.waiters.get(tenant.index_of(place.seq)?)
     }
 
     /// Takes the waiter at `place` out to dispatch it at `now`.
@@ -354,9 +353,7 @@ impl Queue {
 
     /// Takes the waiter at `place` out (gone, timed out); `None` if it was not queued.
     pub(super) fn remove(&mut self, place: Place) -> Option<Waiter> {
-        let waiter = self.bands[place.band.index()].remove_from(place.tenant, |waiters| {
-            waiters.binary_search_by_key(&place.seq, |w| w.seq).ok()
-        })?;
+        let waiter = self.bands[place.band.index()].remove(place.tenant, place.seq)?;
         self.len -= 1;
         if self.len == 0 {
             self.rate.window = None;

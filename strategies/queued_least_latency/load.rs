@@ -1097,15 +1097,21 @@ mod tests {
         }
     }
 
+    /// A chat request of `tenant`'s long system prompt, which `backend`'s prefix index holds.
+    fn tenant_chat_cached_on(backend: &Backend, tenant: &str) -> RequestInfo {
+        let system = format!("You are the assistant of tenant {tenant}. ").repeat(400);
+        let request = chat(&system, "hello");
+        backend
+            .prefixes()
+            .record(&request.prompt.as_ref().unwrap().blocks);
+        request
+    }
+
     #[test]
     fn a_replica_whose_requests_wait_for_their_first_byte_stops_drawing_cached_ones() {
         let set = vec![backend(40), backend(41)];
         let strategy = with_room(&set);
-        let system = "You are the assistant of tenant nine. ".repeat(400);
-        let request = chat(&system, "hello");
-        set[0]
-            .prefixes()
-            .record(&request.prompt.as_ref().unwrap().blocks);
+        let request = tenant_chat_cached_on(&set[0], "nine");
         // Both replicas decode 4 streams (A's shorter ones); the one with the tenant's prompt
         // also holds requests that have had no first byte, short ones: the load guard stays out
         // of the way.
@@ -1127,11 +1133,7 @@ mod tests {
         let set = vec![backend(42), backend(43)];
         // Each has answered three streams: ramp-up room for 15 in flight.
         let strategy = with_room(&set);
-        let system = "You are the assistant of tenant ten. ".repeat(400);
-        let request = chat(&system, "hello");
-        set[0]
-            .prefixes()
-            .record(&request.prompt.as_ref().unwrap().blocks);
+        let request = tenant_chat_cached_on(&set[0], "ten");
         // A holds 10 requests waiting for their first byte (past the first-byte guard); B is
         // full (15 streams). The request goes to A rather than wait for B.
         working(&set[0], 10, 200);

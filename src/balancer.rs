@@ -3,7 +3,8 @@
 //! A request is *admitted* by [`Balancer::admit`]. Fast path: when nobody is waiting and the
 //! strategy picks a backend at once, the request leaves with a [`Lease`] without waiting for any
 //! other task. Otherwise it is judged against its deadline at the queue's measured dispatch rate
-//! (503 `overloaded` at once if it would start too late), joins the bounded queue (priority
+//! and the fleet's time from dispatch to first byte (503 `overloaded` at once if its answer would
+//! start too late), joins the bounded queue (priority
 //! bands, fair shares between tenants: [`queue`]) and waits until dispatched or until its
 //! deadline (503).
 //!
@@ -20,7 +21,7 @@ mod queue;
 
 pub use availability::AvailabilityConfig;
 pub use queue::{Admission, Band};
-use queue::{Place, Queue};
+use queue::{FirstByteTime, Place, Queue};
 
 use std::future::Future;
 use std::pin::Pin;
@@ -55,7 +56,8 @@ pub enum Rejection {
     ShuttingDown,
     /// Every backend that could take the request answered that it is busy.
     Busy,
-    /// The request would not start before its deadline at the queue's measured dispatch rate
+    /// The request's answer would not start before its deadline (at the queue's measured
+    /// dispatch rate and the fleet's time to first byte)
     /// (or the queue held `queue.shed_ratio` times the requests in flight); the value is the
     /// predicted wait, in whole seconds (at least 1).
     Overloaded(u32),
@@ -71,7 +73,7 @@ impl Rejection {
             Rejection::ShuttingDown => "router is shutting down",
             Rejection::Busy => "every backend that could take the request is busy",
             Rejection::Overloaded(_) => {
-                "router overloaded: the queue ahead of this request would not let it start before its deadline"
+                "router overloaded: the queue ahead of this request would not let its answer start before its deadline"
             }
         }
     }
@@ -99,8 +101,8 @@ pub struct QueueConfig {
     /// holds this many times the requests in flight (0: never, the default; admission by
     /// deadline applies either way).
     pub shed_ratio: f64,
-    /// The request header stating how many milliseconds the request may wait to start (the
-    /// queue's `timeout` bounds it). Empty: none is read.
+    /// The request header stating within how many milliseconds the request's answer must start
+    /// (its first byte; the queue's `timeout` bounds it). Empty: none is read.
     pub deadline_header: String,
     /// The request header naming the request's priority band: `high`, `normal` (also when
     /// absent or anything else) or `low`. Empty: every request is `normal`.
@@ -190,6 +192,9 @@ pub struct Balancer {
     queue_depth: Arc<AtomicUsize>,
     /// Leases held, on any backend (those of removed backends included).
     leased: AtomicUsize,
+    /// Dispatch to first byte, over the fleet: a queued request's answer starts that long
+    /// after it leaves the queue.
+    first_byte_time: FirstByteTime,
     tuning: ArcSwap<Tuning>,
     metrics: Metrics,
     /// Sends readmission probes; without one, an expired ejection readmits at once.
@@ -222,6 +227,7 @@ impl Balancer {
             queue: Mutex::new(Queue::default()),
             queue_depth,
             leased: AtomicUsize::new(0),
+            first_byte_time: FirstByteTime::default(),
             tuning: ArcSwap::from_pointee(tuning),
             metrics,
             prober: OnceLock::new(),
@@ -460,12 +466,13 @@ impl Balancer {
             let cost = request_cost(&info);
             let ahead = queue.ahead_of(&admission, cost);
             if let Some(wait) = queue.rate.predicted_wait(ahead, now) {
-                if wait > patience {
+                let start = wait + self.first_byte_time.expected();
+                if start > patience {
                     drop(queue);
                     self.metrics
                         .shed
                         .add(1, &[band, KeyValue::new("reason", "deadline")]);
-                    let seconds = wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u32;
+                    let seconds = start.as_secs_f64().ceil().clamp(1.0, 3600.0) as u32;
                     return Err(Rejection::Overloaded(seconds));
                 }
             }
@@ -851,6 +858,7 @@ impl Lease {
             self.first_byte = Some(elapsed);
             self.backend.prefilled(&self.work);
             let seconds = elapsed.as_secs_f64();
+            self.balancer.first_byte_time.record(seconds);
             self.balancer
                 .metrics
                 .time_to_first_byte

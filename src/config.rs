@@ -125,7 +125,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
         name: "CUSTOM_ROUTER_DEADLINE_HEADER",
         key: "queue.deadline_header",
-        help: "request header giving the milliseconds a request may wait to start; a request predicted to start later is answered 503 at once",
+        help: "request header giving the milliseconds within which a request's answer must start; a request predicted to start later is answered 503 at once",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_PRIORITY_HEADER",

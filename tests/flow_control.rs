@@ -25,12 +25,12 @@ fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
     })
 }
 
-/// One backend measured at 1 s (above the threshold: one request at a time), with one request
-/// in flight on it, returned.
+/// One backend measured at 100 ms (above the threshold: one request at a time), with one
+/// request in flight on it, returned.
 async fn one_busy_backend(balancer: &Arc<Balancer>) -> Lease {
     balancer.set_backends(vec!["a:1".parse().unwrap()]);
     let first = balancer.admit(RequestInfo::default()).await.unwrap();
-    advance(Duration::from_secs(1)).await;
+    advance(Duration::from_millis(100)).await;
     first.finish(OK);
     settle().await;
     balancer.admit(RequestInfo::default()).await.unwrap()
@@ -109,19 +109,26 @@ async fn a_request_that_would_start_after_its_deadline_is_refused_at_once() {
     // The 1 ms request waited past its deadline: answered 503 (timeout) then.
     assert_eq!(unknown.await.unwrap().unwrap_err(), Rejection::Timeout);
     assert_eq!(balancer.queue_depth(), 7);
-    // 7 ahead: it would start in 0.8 s. With 500 ms to wait it is refused now, with an honest
-    // Retry-After (1 s); with 2 s it waits, and so does a request with no deadline.
+    // 7 ahead: it would be dispatched within (8 + 2√8) / 10 = 1.37 s (8 dispatches at 10 a
+    // second, with a margin of two standard deviations), and its answer would start about
+    // 0.14 s after that (every answer so far came 100 ms after its dispatch; the margin there
+    // is twice the smoothed deviation): by 1.51 s. With 500 ms to wait it is refused now, with
+    // an honest Retry-After (2 s); so is it with 1.45 s, when only the wait for the answer's
+    // first byte is past the deadline. With 1.6 s it waits, and so does a request with no
+    // deadline.
     let refused = answer_now(&balancer, within(500)).await;
-    assert_eq!(refused.unwrap_err(), Rejection::Overloaded(1));
+    assert_eq!(refused.unwrap_err(), Rejection::Overloaded(2));
+    let refused = answer_now(&balancer, within(1_450)).await;
+    assert_eq!(refused.unwrap_err(), Rejection::Overloaded(2));
     assert_eq!(
         counter(
             &balancer,
             "custom_router_requests_shed_total",
             "reason=\"deadline\""
         ),
-        1.0
+        2.0
     );
-    waiters.push(queue(&balancer, within(2_000)).await);
+    waiters.push(queue(&balancer, within(1_600)).await);
     waiters.push(queue(&balancer, Admission::default()).await);
     assert_eq!(balancer.queue_depth(), 9);
     // A queue that stops moving counts at the rate it has shown: 2 s without a dispatch, and a
@@ -133,7 +140,7 @@ async fn a_request_that_would_start_after_its_deadline_is_refused_at_once() {
     ));
     // A new backend is capacity arriving: the rate is measured afresh and nothing is refused
     // until it is.
-    // (The request with 2 s to wait was answered 503 at its deadline meanwhile; the new
+    // (The request with 1.6 s to wait was answered 503 at its deadline meanwhile; the new
     // backend takes the next one.)
     balancer.set_backends(vec!["a:1".parse().unwrap(), "b:1".parse().unwrap()]);
     settle().await;

@@ -30,7 +30,7 @@ use super::{LabError, Mode};
 /// A status answered within this many seconds counts as a fast rejection (overload).
 const FAST_REJECTION_SECONDS: f64 = 0.1;
 
-/// The header giving the milliseconds a request may wait to start (the router's
+/// The header giving the milliseconds within which a request's answer must start (the router's
 /// `queue.deadline_header` default).
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
 
@@ -395,7 +395,7 @@ fn hetero_stream() -> Scenario {
 fn overload_deadline() -> Scenario {
     Scenario {
         name: "overload-deadline",
-        models: "The overload scenario (same replicas with their 429 limit, same load, same requests: it runs with the seed of overload) with every request stating in `x-request-deadline-ms` that it may wait to start no longer than the SLO's first-token bound (500 ms): the router refuses at once (503) a request it predicts would start later, instead of queueing it past its deadline.",
+        models: "The overload scenario (same replicas with their 429 limit, same load, same requests: it runs with the seed of overload) with every request stating in `x-request-deadline-ms` that its answer must start within the SLO's first-token bound (500 ms): the router refuses at once (503) a request whose first byte it predicts would come later, instead of queueing it past its deadline.",
         kind: Kind::Routing(Box::new(Routing {
             seed_of: Some("overload"),
             ..overload_routing(Mix {

@@ -13,12 +13,15 @@
 //!   requests queued, so memory is bounded by the queue. Without a tenant header every request
 //!   is the same tenant and a band is a FIFO.
 //! - **Dispatch rate.** While requests wait, the rate at which the queue hands them to backends
-//!   is measured (windows of at least [`RATE_WINDOW`], smoothed). A new request would start
-//!   after the requests ahead of it have gone: `(ahead + 1) / rate`. A new set of eligible
+//!   is measured (windows of at least [`RATE_WINDOW`], smoothed). A new request would be
+//!   dispatched after the requests ahead of it have gone: `(n + 2√n) / rate` for `n = ahead +
+//!   1`, with a margin for the dispatches' irregularity; its answer would start the fleet's
+//!   time to first byte later ([`FirstByteTime`]). A new set of eligible
 //!   backends forgets the rate (capacity is arriving: nothing is refused on the old one).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -78,8 +81,8 @@ pub struct Admission {
     pub band: Band,
     /// A hash of its tenant key (0: no tenant header configured or present).
     pub tenant: u64,
-    /// How long it may wait to start, as the client stated it (`queue.deadline_header`); the
-    /// queue's `timeout` bounds it.
+    /// Within how long its answer must start (its first byte), as the client stated it
+    /// (`queue.deadline_header`); the queue's `timeout` bounds it.
     pub deadline: Option<Duration>,
 }
 
@@ -135,9 +138,12 @@ impl DispatchRate {
         }
     }
 
-    /// When a request with `ahead` requests before it would be dispatched, from `now`: `None`
-    /// while the rate is unknown. A window that has run longer than the rate allows for the
-    /// dispatches it saw counts at its own, lower rate (the queue may have stopped moving).
+    /// By when a request with `ahead` requests before it would be dispatched, from `now`, with
+    /// a margin for the dispatches' irregularity: `(n + 2√n) / rate` for the `n = ahead + 1`
+    /// dispatches it waits for (were they a Poisson process, it would go later in about one
+    /// case in forty). `None` while the rate is unknown. A window that has run longer than the
+    /// rate allows for the dispatches it saw counts at its own, lower rate (the queue may have
+    /// stopped moving).
     pub(super) fn predicted_wait(&self, ahead: usize, now: Instant) -> Option<Duration> {
         let mut rate = self.per_second?;
         if let Some((start, count)) = self.window {
@@ -146,8 +152,60 @@ impl DispatchRate {
                 rate = rate.min(f64::from(count + 1) / open);
             }
         }
-        let seconds = (ahead as f64 + 1.0) / rate.max(1e-6);
+        let dispatches = ahead as f64 + 1.0;
+        let seconds = (dispatches + WAIT_MARGIN * dispatches.sqrt()) / rate.max(1e-6);
         Some(Duration::from_secs_f64(seconds.min(1e6)))
+    }
+}
+
+/// Standard deviations of the dispatches' count added to a predicted wait.
+const WAIT_MARGIN: f64 = 2.0;
+
+/// How long a dispatched request takes to its answer's first byte, over the fleet: a smoothed
+/// mean and mean deviation (weights 1/8 and 1/4, as TCP estimates a round trip). Updated
+/// without a lock by every first byte (two concurrent updates may keep one of them).
+#[derive(Debug)]
+pub(super) struct FirstByteTime {
+    /// Seconds, as `f64` bits; NaN until the first sample.
+    mean: AtomicU64,
+    deviation: AtomicU64,
+}
+
+impl Default for FirstByteTime {
+    fn default() -> Self {
+        Self {
+            mean: AtomicU64::new(f64::NAN.to_bits()),
+            deviation: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+}
+
+impl FirstByteTime {
+    /// A first byte `seconds` after its dispatch.
+    pub(super) fn record(&self, seconds: f64) {
+        let mean = f64::from_bits(self.mean.load(Ordering::Relaxed));
+        let (mean, deviation) = if mean.is_nan() {
+            (seconds, seconds / 2.0)
+        } else {
+            let deviation = f64::from_bits(self.deviation.load(Ordering::Relaxed));
+            (
+                mean + (seconds - mean) / 8.0,
+                deviation + ((seconds - mean).abs() - deviation) / 4.0,
+            )
+        };
+        self.mean.store(mean.to_bits(), Ordering::Relaxed);
+        self.deviation.store(deviation.to_bits(), Ordering::Relaxed);
+    }
+
+    /// How long after its dispatch a request's first byte is due, with a margin: the mean plus
+    /// twice the deviation (zero before any first byte).
+    pub(super) fn expected(&self) -> Duration {
+        let mean = f64::from_bits(self.mean.load(Ordering::Relaxed));
+        if mean.is_nan() {
+            return Duration::ZERO;
+        }
+        let deviation = f64::from_bits(self.deviation.load(Ordering::Relaxed));
+        Duration::from_secs_f64((mean + 2.0 * deviation).clamp(0.0, 1e6))
     }
 }
 

@@ -340,6 +340,12 @@ const PREFILL_SAMPLES_TO_JUDGE: u32 = 16;
 const PREFILL_RATE_DOWN: f64 = 0.3;
 const PREFILL_RATE_UP: f64 = 0.05;
 
+/// Typical requests' work a candidate holding part of the prompt may hold above `load_bound` ×
+/// its share (the load guard): with few requests in flight a multiple alone would leave no room
+/// for locality (1.1 × 4 requests is 4.4), with hundreds a multiple alone would let one engine
+/// take tens more than its share (1.25 × 250 is 312), past its KV cache.
+const LOAD_SLACK: f64 = 2.0;
+
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
 /// before the first-byte guard passes it over: the prefills of a step or two are not a queue.
 const AWAITING_SLACK: f64 = 8.0;
@@ -360,7 +366,8 @@ pub(super) struct Demand<'r> {
     typical_output: f64,
     /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
     /// relative cost, a candidate may already hold: `load_bound` times its share of the work in
-    /// flight with this request added (the least loaded candidate is always within it). It
+    /// flight with this request added, plus [`LOAD_SLACK`] typical requests (the least loaded
+    /// candidate is always within it). It
     /// applies to backends that hold part of the prompt: locality is what could pile up.
     bound: Option<f64>,
     /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
@@ -421,8 +428,10 @@ impl<'r> Demand<'r> {
         let prompt = request.prompt.as_deref();
         // Both guards apply to a request with a prompt when there is a choice.
         let guarded = prompt.is_some() && count > 1;
-        let bound = guarded
-            .then(|| strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE));
+        let bound = guarded.then(|| {
+            strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE)
+                + LOAD_SLACK * typical_output
+        });
         let prompt_tokens = request.prompt_tokens() as f64;
         let prefill_bound = guarded.then(|| {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
@@ -1078,13 +1087,43 @@ mod tests {
         working(&set[0], 3, 200);
         working(&set[1], 2, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        // Past 1.25 × its share of the work in flight, it is skipped however long the prefix.
-        working(&set[0], 3, 200);
+        // Past 1.1 × its share of the work in flight plus two typical requests (9 against 2:
+        // 1.1 × 12 / 2 + 2 = 8.6 requests' work), it is skipped however long the prefix.
+        working(&set[0], 6, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
         // A request whose prompt no replica holds is not held back by the guard: it goes to the
         // cheapest, here the less loaded.
         let other = chat("A different tenant entirely. ", "hi");
         assert_eq!(strategy.pick(&other, (&set).into()), Some(1));
+    }
+
+    #[test]
+    fn the_load_guard_is_a_multiple_of_the_share_plus_two_requests() {
+        let set = vec![backend(12), backend(13)];
+        let params = super::super::Params {
+            initial_limit: 1000.0,
+            ..super::super::Params::default()
+        };
+        let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
+        for replica in &set {
+            for _ in 0..100 {
+                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        let request = tenant_chat_cached_on(&set[0], "three");
+        // Few in flight: 4 against 2 is within 1.1 × 7 / 2 + 2 = 5.85 requests' work (a multiple
+        // alone, 3.85, would leave no room for the cached prefix).
+        decoding(&set[0], 4, 200);
+        decoding(&set[1], 2, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        // Hundreds in flight: 280 against 240 is within 1.1 × 521 / 2 + 2 = 288.6; 310 against
+        // 240 is not (1.1 × 551 / 2 + 2 = 305.1; 1.25 × 551 / 2 = 344 would let the cached
+        // engine take 70 more than the other, past what its KV cache holds).
+        decoding(&set[0], 276, 200);
+        decoding(&set[1], 238, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        decoding(&set[0], 30, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
     }
 
     /// Puts `n` requests of `output` expected tokens in flight on `backend` that have had

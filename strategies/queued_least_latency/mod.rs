@@ -79,7 +79,7 @@
 //! ttfb_tolerance = 2.0
 //! ttfb_slack = 0.02
 //! initial_limit = 4
-//! load_bound = 1.25
+//! load_bound = 1.1
 //! ```
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -145,7 +145,7 @@ impl Default for Params {
             ttfb_slack: 0.02,
             initial_limit: 4.0,
             max_limit: 1000.0,
-            load_bound: 1.25,
+            load_bound: 1.1,
         }
     }
 }

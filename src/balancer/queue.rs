@@ -400,9 +400,10 @@ impl Queue {
         tenant.waiters.get(tenant.index_of(place.seq)?)
     }
 
-    /// Takes the waiter at `place` out to dispatch it at `now`.
+    /// Takes the waiter at `place` out to dispatch it at `now`: it counts in the dispatch rate
+    /// (the last one of a window included, when it empties the queue).
     pub(super) fn dispatch(&mut self, place: Place, now: Instant) -> Option<Waiter> {
-        let waiter = self.remove(place)?;
+        let waiter = self.take(place)?;
         let band = &mut self.bands[place.band.index()];
         band.virtual_time = band.virtual_time.max(waiter.tag);
         self.rate.dispatched(now, self.len == 0);
@@ -411,11 +412,16 @@ impl Queue {
 
     /// Takes the waiter at `place` out (gone, timed out); `None` if it was not queued.
     pub(super) fn remove(&mut self, place: Place) -> Option<Waiter> {
-        let waiter = self.bands[place.band.index()].remove(place.tenant, place.seq)?;
-        self.len -= 1;
+        let waiter = self.take(place)?;
         if self.len == 0 {
             self.rate.window = None;
         }
+        Some(waiter)
+    }
+
+    fn take(&mut self, place: Place) -> Option<Waiter> {
+        let waiter = self.bands[place.band.index()].remove(place.tenant, place.seq)?;
+        self.len -= 1;
         Some(waiter)
     }
 
@@ -434,5 +440,40 @@ impl Queue {
             .map(|(key, _)| *key)?;
         let seq = queue.tenants.get(&tenant)?.waiters.front()?.seq;
         self.remove(Place { band, tenant, seq })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn push(queue: &mut Queue, at: Instant) -> Place {
+        let (reply, _) = oneshot::channel();
+        let admission = Admission::default();
+        queue.push(RequestInfo::default(), Vec::new(), &admission, 1, at, reply)
+    }
+
+    #[test]
+    fn the_dispatch_that_empties_the_queue_counts_in_the_rate() {
+        let start = Instant::now();
+        let mut queue = Queue::default();
+        // One request waits 200 ms and leaves the queue empty: one dispatch in 200 ms, 5 a
+        // second.
+        let place = push(&mut queue, start);
+        let later = start + Duration::from_millis(200);
+        assert!(queue.dispatch(place, later).is_some());
+        assert!(queue.is_empty());
+        let wait = queue
+            .rate
+            .predicted_wait(0, later)
+            .expect("the rate is measured");
+        // (1 + 2) / 5 a second.
+        assert!((wait.as_secs_f64() - 0.6).abs() < 1e-9, "{wait:?}");
+        // A request that leaves without being dispatched (gone, timed out) is no dispatch: the
+        // rate stays as it was, and the window it opened closes with it.
+        let gone = push(&mut queue, later);
+        assert!(queue.remove(gone).is_some());
+        assert_eq!(queue.rate.window, None);
+        assert_eq!(queue.rate.predicted_wait(0, later), Some(wait));
     }
 }

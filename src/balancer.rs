@@ -483,7 +483,6 @@ impl Balancer {
         let mut waiting = Waiting {
             balancer: self,
             place,
-            band: admission.band,
             reply,
             settled: false,
         };
@@ -685,7 +684,6 @@ impl Balancer {
 struct Waiting<'a> {
     balancer: &'a Arc<Balancer>,
     place: Place,
-    band: Band,
     reply: oneshot::Receiver<Result<Lease, Rejection>>,
     settled: bool,
 }
@@ -700,7 +698,7 @@ impl Waiting<'_> {
                     self.balancer
                         .metrics
                         .timeout
-                        .add(1, &[KeyValue::new("band", self.band.as_str())]);
+                        .add(1, &[KeyValue::new("band", self.place.band.as_str())]);
                     Err(Rejection::Timeout)
                 } else {
                     // Dispatched or evicted under the lock just before the deadline.
@@ -718,7 +716,7 @@ impl Drop for Waiting<'_> {
         if self.settled {
             return;
         }
-        let band = [KeyValue::new("band", self.band.as_str())];
+        let band = [KeyValue::new("band", self.place.band.as_str())];
         if self.balancer.remove_waiter(self.place) {
             self.balancer.metrics.cancelled.add(1, &band);
         } else if let Ok(Ok(lease)) = self.reply.try_recv() {
@@ -752,12 +750,10 @@ fn request_cost(info: &RequestInfo) -> u64 {
     info.prompt_tokens() + u64::from(info.expected_output_tokens())
 }
 
-/// The hash a tenant header's value is kept as (never the value itself).
+/// The hash a tenant header's value is kept as (never the value itself): xxh3, as the prompt's
+/// blocks; 0 is no tenant.
 fn tenant_key(value: &[u8]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::hash::DefaultHasher::new();
-    value.hash(&mut hasher);
-    hasher.finish().max(1)
+    xxhash_rust::xxh3::xxh3_64(value).max(1)
 }
 
 /// How a proxied request ended, for [`Lease::finish`].

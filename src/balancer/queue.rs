@@ -225,7 +225,7 @@ pub(super) struct Waiter {
 /// Where a waiter is: its band, tenant and sequence number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Place {
-    band: Band,
+    pub(super) band: Band,
     tenant: u64,
     seq: u64,
 }

@@ -1078,11 +1078,8 @@ mod tests {
         for replica in &set {
             strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
         }
-        let system = "You are the assistant of tenant seven. ".repeat(400);
-        let request = chat(&system, "hello");
-        let blocks = &request.prompt.as_ref().unwrap().blocks;
-        assert!(blocks.len() > 40);
-        set[0].prefixes().record(blocks);
+        let request = tenant_chat_cached_on(&set[0], "seven");
+        assert!(request.prompt.as_ref().unwrap().blocks.len() > 40);
         // A little more load on the replica with the tenant's prompt: the prefill it saves wins.
         working(&set[0], 3, 200);
         working(&set[1], 2, 200);

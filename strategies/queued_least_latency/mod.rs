@@ -40,7 +40,7 @@
 //!   its first bytes (or completed requests, the larger).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
 //!   than `load_bound` × its share of the work in flight (expected output tokens, weighted by
-//!   relative cost) is skipped; so is a backend whose queued prefill (uncached prompt tokens
+//!   relative cost) plus two typical requests' work is skipped; so is a backend whose queued prefill (uncached prompt tokens
 //!   waiting for their first byte) is above `load_bound` × the candidates' mean with this
 //!   prompt added, or above this prompt's tokens if more (the prefill guard); so is a backend
 //!   holding more requests without a first byte than `load_bound` × the fewest any candidate

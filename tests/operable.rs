@@ -249,16 +249,24 @@ async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps
         .trim()
         .trim_start_matches("custom-router: ")
         .to_owned();
-    let logged = router
-        .log
-        .lock()
-        .unwrap()
-        .iter()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .find(|entry| {
-            entry["message"] == "configuration reload failed; keeping the running configuration"
-        })
-        .expect("a log line for the failed reload");
+    // The log is read from the router's stderr by another thread: the line may come a moment
+    // after the counter.
+    let failed_reload = || {
+        router
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .find(|entry| {
+                entry["message"] == "configuration reload failed; keeping the running configuration"
+            })
+    };
+    assert!(
+        eventually(PATIENCE, async || failed_reload().is_some()).await,
+        "a log line for the failed reload"
+    );
+    let logged = failed_reload().unwrap();
     assert_eq!(logged["error"], startup_error.as_str());
     let (status, _) = get(&format!("http://{}/slow", router.addr)).await;
     assert_eq!(

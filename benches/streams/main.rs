@@ -227,7 +227,8 @@ async fn run(
         event_bytes: args.event_bytes,
     };
     let backend = backend::start(shape).map_err(|e| format!("backend: {e}"))?;
-    let work = args.out.join("work");
+    // Absolute: nginx and HAProxy resolve relative paths against their own prefix.
+    let work = std::path::absolute(args.out.join("work")).map_err(|e| format!("--out: {e}"))?;
     std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
     let ticks = peers::ticks_per_second();
     let mut stream_runs = Vec::new();

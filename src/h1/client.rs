@@ -32,6 +32,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
+use super::buffers;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
     BoxError, COALESCE, Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, OutgoingBody, ReadSize,
@@ -97,7 +98,7 @@ impl<S: Transport> Connection<S> {
             stream,
             read: ReadSize::buffer(),
             read_size: ReadSize::new(),
-            write: Vec::with_capacity(512),
+            write: Vec::new(),
             fields: BytesMut::with_capacity(512),
         }
     }
@@ -135,6 +136,8 @@ impl<S: Transport> Connection<S> {
         mut body: B,
         stall: Option<Duration>,
     ) -> Result<Response<ResponseStream<S>>, SendError<B>> {
+        // The write buffer is taken for the request and given back once it is sent.
+        buffers::ensure_write(&mut self.write);
         let chunked = encode_head(&mut self.write, head, &body);
         let head_request = *head.method == Method::HEAD;
         // A body in memory goes out with the head: copied behind it when small, else in the
@@ -218,6 +221,7 @@ impl<S: Transport> Connection<S> {
                 answer = &mut receiving => Outcome::Answered(answer, false),
             }
         };
+        buffers::give_write(&mut self.write);
         match outcome {
             Outcome::Unsent => Err(SendError::Unsent(body)),
             Outcome::BodyFailed(error) => Err(SendError::Body(error)),

@@ -15,6 +15,7 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+mod buffers;
 pub mod client;
 pub mod fields;
 pub mod idle;
@@ -119,9 +120,10 @@ impl ReadSize {
         Self(READ_BUFFER as u32)
     }
 
-    /// A buffer of the size reads start with.
+    /// A connection's read buffer before its first read: none yet ([`buffers`] hands one out
+    /// when a read is tried).
     pub(crate) fn buffer() -> BytesMut {
-        BytesMut::with_capacity(READ_BUFFER)
+        BytesMut::new()
     }
 
     /// Gives up an empty buffer more than twice the size reads now ask for.
@@ -140,11 +142,19 @@ impl ReadSize {
         cx: &mut Context<'_>,
     ) -> Poll<io::Result<usize>> {
         let want = self.0 as usize;
+        if buffer.capacity() == 0 {
+            *buffer = buffers::read_buffer();
+        }
         if buffer.capacity() - buffer.len() < want / 2 {
             buffer.reserve(want);
         }
         let offered = buffer.capacity() - buffer.len();
-        let read = ready!(pin!(reader.read_buf(buffer)).poll(cx))?;
+        let Poll::Ready(read) = pin!(reader.read_buf(buffer)).poll(cx) else {
+            // Nothing to read: a connection that waits holds no empty buffer.
+            buffers::give_read(buffer);
+            return Poll::Pending;
+        };
+        let read = read?;
         if read == offered {
             self.0 = (want * 2).min(MAX_READ) as u32;
         } else if read < want / 4 {

@@ -45,6 +45,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
+use super::buffers;
 use super::client::Passthrough;
 use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
@@ -84,10 +85,6 @@ impl Default for Limits {
         }
     }
 }
-
-/// The size a connection's write buffer starts with: a response head, or a few small frames
-/// with their chunk lines.
-const OUT_BUFFER: usize = 1024;
 
 /// A streamed body's frames that are ready at once are gathered into one write, up to this
 /// many bytes (events that piled up while the connection waited for the CPU go out together, as
@@ -267,6 +264,7 @@ fn refusal(out: &mut Vec<u8>, status: StatusCode, message: &str) {
     body.extend_from_slice(b"{\"error\":");
     json_string(&mut body, message);
     body.push(b'}');
+    buffers::ensure_write(out);
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
@@ -305,6 +303,11 @@ pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
 
 /// Serves one client connection, read from `reader` and written to `writer`, with `handler`
 /// until it ends (see the module documentation).
+///
+/// Each request is two steps, each its own future inside this one: [`receive`] (the head, the
+/// body when it is read whole, the handler's answer) and [`write_response`]. Their states
+/// share one place in the connection's task, so a connection whose answer streams holds the
+/// response writer's state and the connection's own (buffers, timers), not the request's.
 pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
     reader: ReadSide,
     mut writer: W,
@@ -312,105 +315,150 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
     draining: watch::Receiver<bool>,
     handler: H,
 ) {
+    let mut connection = ConnectionState {
+        slot: None,
+        // Taken when a response is written and given back when it waits.
+        out: Vec::new(),
+        header_timer: HeaderTimer::new(limits.header_read_timeout),
+        draining: DrainWatch::new(draining),
+        limits,
+    };
     let mut inbound = Some(Inbound {
         half: reader,
         buffer: ReadSize::buffer(),
         read_size: ReadSize::new(),
     });
-    let mut slot: Option<Arc<Slot>> = None;
-    let mut out: Vec<u8> = Vec::with_capacity(OUT_BUFFER);
-    let mut header_timer = HeaderTimer::new(limits.header_read_timeout);
-    let mut draining = DrainWatch::new(draining);
-    while let Some(mut input) = inbound.take() {
-        let head = match read_head(&mut input, limits, &mut header_timer, &mut draining).await {
-            Ok(head) => head,
-            Err(Refusal::Quiet) => return,
-            Err(Refusal::Answer(status, message)) => {
-                refusal(&mut out, status, message);
-                let _ = writer.write_all(&out).await;
-                return;
-            }
-        };
-        let Head {
-            request,
-            fields,
-            body,
-            mut keep_alive,
-            expects_continue,
-        } = head;
-        let head_request = request.method() == Method::HEAD;
-        let http10 = request.version() == Version::HTTP_10;
-        if expects_continue
-            && body != BodyLength::Length(0)
-            && writer
-                .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-                .await
-                .is_err()
-        {
-            return;
-        }
-        // The reading side stays here when the body was read with the head; a streamed body takes
-        // it and leaves it in the slot at its end.
-        let (body, mut held) = match body {
-            BodyLength::Length(0) => (RequestBody::Whole(None), Some(input)),
-            BodyLength::Length(length) if length <= READ_WHOLE => {
-                match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
-                    Ok(bytes) => (RequestBody::Whole(Some(bytes)), Some(input)),
-                    Err(BodyFailure::TimedOut) => {
-                        let failure = BodyFailure::TimedOut;
-                        refusal(&mut out, failure.status(), failure.message());
-                        let _ = writer.write_all(&out).await;
-                        return;
-                    }
-                    Err(BodyFailure::Broken) => return,
-                }
-            }
-            length => {
-                let slot = Arc::clone(slot.get_or_insert_with(Arc::default));
-                let framing = match length {
-                    BodyLength::Length(length) => Framing::Length(length),
-                    BodyLength::Chunked => Framing::Chunked(Chunked::Size),
-                };
-                let stream = RequestStream {
-                    inbound: Some(input),
-                    framing,
-                    slot,
-                    stall: StallTimer::new(limits.body_read_timeout),
-                };
-                (RequestBody::Streaming(stream), None)
-            }
-        };
-        // The handler's future is boxed: it is done once the answer's head is here, and a
-        // stream then holds only the response writer's state in the connection's task, not
-        // the larger state of the handler (one allocation a request, freed at the answer).
-        let answer = {
-            let mut answer = Box::pin(handler.call(request.map(|()| body), fields));
-            answer_unless_gone(answer.as_mut(), &mut held, slot.as_deref()).await
-        };
-        let Some(answer) = answer else {
-            // The client left: dropping the handler's future withdrew the request.
+    while let Some(input) = inbound.take() {
+        let Some((answer, written, mut held)) =
+            receive(input, &mut writer, &mut connection, &handler).await
+        else {
             return;
         };
-        if held.is_none() {
-            held = slot.as_ref().and_then(|slot| slot.take());
-        }
-        if draining.started() {
-            keep_alive = false;
-        }
-        let written = Written {
-            head_request,
-            http10,
-            close: !keep_alive,
-        };
-        let kept = write_response(&mut writer, &mut out, answer, written, held.as_mut()).await;
+        let kept = write_response(
+            &mut writer,
+            &mut connection.out,
+            answer,
+            written,
+            held.as_mut(),
+        )
+        .await;
         if !matches!(kept, Ok(true)) {
             return;
         }
         if held.is_none() {
-            held = slot.as_ref().and_then(|slot| slot.take());
+            held = connection.slot.as_ref().and_then(|slot| slot.take());
         }
         inbound = held;
     }
+}
+
+/// What a client connection keeps from one request to the next.
+struct ConnectionState {
+    /// Where a streamed request body leaves the reading side.
+    slot: Option<Arc<Slot>>,
+    out: Vec<u8>,
+    header_timer: HeaderTimer,
+    draining: DrainWatch,
+    limits: Limits,
+}
+
+/// Reads the next request from `input` and awaits the handler's answer to it: the answer, how
+/// it is to be written, and the reading side when it is back (a streamed request body keeps it
+/// until its end). `None` when the connection ends without an answer (refusals are written
+/// here).
+async fn receive<H: Handler, W: AsyncWrite + Unpin>(
+    mut input: Inbound,
+    writer: &mut W,
+    connection: &mut ConnectionState,
+    handler: &H,
+) -> Option<(Response<H::Body>, Written, Option<Inbound>)> {
+    let ConnectionState {
+        slot,
+        out,
+        header_timer,
+        draining,
+        limits,
+    } = connection;
+    let limits = *limits;
+    let head = match read_head(&mut input, limits, header_timer, draining).await {
+        Ok(head) => head,
+        Err(Refusal::Quiet) => return None,
+        Err(Refusal::Answer(status, message)) => {
+            refusal(out, status, message);
+            let _ = writer.write_all(out).await;
+            return None;
+        }
+    };
+    let Head {
+        request,
+        fields,
+        body,
+        mut keep_alive,
+        expects_continue,
+    } = head;
+    let head_request = request.method() == Method::HEAD;
+    let http10 = request.version() == Version::HTTP_10;
+    if expects_continue
+        && body != BodyLength::Length(0)
+        && writer
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .is_err()
+    {
+        return None;
+    }
+    // The reading side stays here when the body was read with the head; a streamed body takes
+    // it and leaves it in the slot at its end.
+    let (body, mut held) = match body {
+        BodyLength::Length(0) => (RequestBody::Whole(None), Some(input)),
+        BodyLength::Length(length) if length <= READ_WHOLE => {
+            match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
+                Ok(bytes) => (RequestBody::Whole(Some(bytes)), Some(input)),
+                Err(BodyFailure::TimedOut) => {
+                    let failure = BodyFailure::TimedOut;
+                    refusal(out, failure.status(), failure.message());
+                    let _ = writer.write_all(out).await;
+                    return None;
+                }
+                Err(BodyFailure::Broken) => return None,
+            }
+        }
+        length => {
+            let slot = Arc::clone(slot.get_or_insert_with(Arc::default));
+            let framing = match length {
+                BodyLength::Length(length) => Framing::Length(length),
+                BodyLength::Chunked => Framing::Chunked(Chunked::Size),
+            };
+            let stream = RequestStream {
+                inbound: Some(input),
+                framing,
+                slot,
+                stall: StallTimer::new(limits.body_read_timeout),
+            };
+            (RequestBody::Streaming(stream), None)
+        }
+    };
+    // The handler's future is boxed: it is done once the answer's head is here, and a
+    // stream then holds only the response writer's state in the connection's task, not
+    // the larger state of the handler (one allocation a request, freed at the answer).
+    let answer = {
+        let mut answer = Box::pin(handler.call(request.map(|()| body), fields));
+        answer_unless_gone(answer.as_mut(), &mut held, slot.as_deref()).await
+    };
+    // None: the client left, and dropping the handler's future withdrew the request.
+    let answer = answer?;
+    if held.is_none() {
+        held = slot.as_ref().and_then(|slot| slot.take());
+    }
+    if draining.started() {
+        keep_alive = false;
+    }
+    let written = Written {
+        head_request,
+        http10,
+        close: !keep_alive,
+    };
+    Some((answer, written, held))
 }
 
 /// Awaits `answer` while watching the client's connection: `None` if the client closed it
@@ -800,24 +848,42 @@ enum Outgoing {
 /// Writes `answer`; `Ok(true)` when the connection may serve another request. `close` says the
 /// connection ends after this response (it then says `Connection: close`); an HTTP/1.0 client
 /// gets a body of unknown length delimited by the end of the connection.
-async fn write_response<B: Answer>(
-    writer: &mut (impl AsyncWrite + Unpin),
-    out: &mut Vec<u8>,
+///
+/// The head is encoded into `out` when this is called; the future writes it and the body. It
+/// holds the body only, not the response it came in: a streaming connection's task keeps the
+/// body's state and no second copy of it.
+fn write_response<'a, B: Answer + 'a, W: AsyncWrite + Unpin>(
+    writer: &'a mut W,
+    out: &'a mut Vec<u8>,
     answer: Response<B>,
     written: Written,
-    mut input: Option<&mut Inbound>,
-) -> io::Result<bool> {
+    input: Option<&'a mut Inbound>,
+) -> impl Future<Output = io::Result<bool>> + 'a {
+    let (parts, body) = answer.into_parts();
+    let (framing, close) = encode_response_head(out, &parts, &body, written);
+    drop(parts);
+    write_body(writer, out, body, framing, close, input)
+}
+
+/// Encodes the head of a response of `parts` and `body` into `out`; how its body is delimited,
+/// and whether the connection ends after it.
+fn encode_response_head<B: Answer>(
+    out: &mut Vec<u8>,
+    parts: &http::response::Parts,
+    body: &B,
+    written: Written,
+) -> (Outgoing, bool) {
     let Written {
         head_request,
         http10,
         mut close,
     } = written;
-    let (parts, mut body) = answer.into_parts();
     let status = parts.status;
     let bodiless = head_request
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
+    buffers::ensure_write(out);
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
@@ -880,123 +946,146 @@ async fn write_response<B: Answer>(
         out.extend_from_slice(b"connection: keep-alive\r\n");
     }
     out.extend_from_slice(b"\r\n");
-    if framing == Outgoing::None {
-        drop(body);
-        writer.write_all(out).await?;
-        return Ok(!close);
-    }
-    let mut sent: u64 = 0;
-    loop {
-        let frame = if body.is_end_stream() {
-            None
-        } else {
-            // A frame that is ready at once goes out with what is waiting in `out`.
-            match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
-                Poll::Ready(frame) => frame,
-                Poll::Pending => {
-                    // Everything that was ready goes out in one write before the wait.
-                    if !out.is_empty() {
-                        writer.write_all(out).await?;
-                        out.clear();
-                    }
-                    if out.capacity() > 4 * OUT_BUFFER {
-                        // A batch grew the buffer: a waiting stream keeps a small one.
-                        *out = Vec::with_capacity(OUT_BUFFER);
-                    }
-                    let next = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
-                    match input.as_deref_mut() {
-                        // While the body waits on its backend, a client that leaves ends it.
-                        Some(watched) => tokio::select! {
-                            biased;
-                            frame = next => frame,
-                            gone = client_gone(watched) => {
-                                if gone {
-                                    return Err(io::ErrorKind::ConnectionAborted.into());
+    (framing, close)
+}
+
+/// Writes the head waiting in `out` and `body` delimited as `framing` says; `Ok(true)` when the
+/// connection may serve another request.
+// Not an `async fn`: an `async fn` moves its arguments into its body's own locals, and the
+// future then holds the body twice; an `async` block uses what it captured in place.
+#[allow(clippy::manual_async_fn)]
+fn write_body<'a, B: Answer + 'a>(
+    writer: &'a mut (impl AsyncWrite + Unpin),
+    out: &'a mut Vec<u8>,
+    mut body: B,
+    framing: Outgoing,
+    close: bool,
+    mut input: Option<&'a mut Inbound>,
+) -> impl Future<Output = io::Result<bool>> + 'a {
+    async move {
+        if framing == Outgoing::None {
+            drop(body);
+            writer.write_all(out).await?;
+            buffers::give_write(out);
+            return Ok(!close);
+        }
+        let mut sent: u64 = 0;
+        loop {
+            let frame = if body.is_end_stream() {
+                None
+            } else {
+                // A frame that is ready at once goes out with what is waiting in `out`.
+                match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)))
+                    .await
+                {
+                    Poll::Ready(frame) => frame,
+                    Poll::Pending => {
+                        // Everything that was ready goes out in one write before the wait.
+                        if !out.is_empty() {
+                            writer.write_all(out).await?;
+                            out.clear();
+                        }
+                        // A waiting stream holds no write buffer.
+                        buffers::give_write(out);
+                        let next = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
+                        let frame = match input.as_deref_mut() {
+                            // While the body waits on its backend, a client that leaves ends it.
+                            Some(watched) => tokio::select! {
+                                biased;
+                                frame = next => frame,
+                                gone = client_gone(watched) => {
+                                    if gone {
+                                        return Err(io::ErrorKind::ConnectionAborted.into());
+                                    }
+                                    // A pipelined request came: it waits in the buffer.
+                                    input = None;
+                                    buffers::ensure_write(out);
+                                    continue;
                                 }
-                                // A pipelined request came: it waits in the buffer.
-                                input = None;
-                                continue;
-                            }
-                        },
-                        None => next.await,
+                            },
+                            None => next.await,
+                        };
+                        buffers::ensure_write(out);
+                        frame
                     }
                 }
-            }
-        };
-        let frame = match frame {
-            None => {
-                if framing == Outgoing::Chunked {
-                    append_last_chunk(out, None);
-                }
-                break;
-            }
-            // The body failed midway: the client can only learn it from the connection's end.
-            Some(Err(_)) => {
-                let _ = writer.write_all(out).await;
-                return Ok(false);
-            }
-            Some(Ok(frame)) => frame,
-        };
-        match frame.into_data() {
-            Ok(data) => {
-                if data.is_empty() {
-                    continue;
-                }
-                sent += data.len() as u64;
-                if data.len() > COALESCE {
-                    // Written from where it is, behind what waits in `out` (the head, a chunk
-                    // size line), with the chunk's end, and the last chunk when it is the last.
-                    let chunked = framing == Outgoing::Chunked;
-                    let end = body.is_end_stream();
-                    if chunked {
-                        append_chunk_size(out, data.len());
+            };
+            let frame = match frame {
+                None => {
+                    if framing == Outgoing::Chunked {
+                        append_last_chunk(out, None);
                     }
-                    let tail: &[u8] = match (chunked, end) {
-                        (true, true) => b"\r\n0\r\n\r\n",
-                        (true, false) => b"\r\n",
-                        (false, _) => b"",
-                    };
-                    let mut parts = [
-                        io::IoSlice::new(out),
-                        io::IoSlice::new(&data),
-                        io::IoSlice::new(tail),
-                    ];
-                    write_all_vectored(writer, &mut parts).await?;
-                    out.clear();
-                    if end {
-                        // The last chunk went out with it: nothing is left in `out`.
+                    break;
+                }
+                // The body failed midway: the client can only learn it from the connection's end.
+                Some(Err(_)) => {
+                    let _ = writer.write_all(out).await;
+                    return Ok(false);
+                }
+                Some(Ok(frame)) => frame,
+            };
+            match frame.into_data() {
+                Ok(data) => {
+                    if data.is_empty() {
+                        continue;
+                    }
+                    sent += data.len() as u64;
+                    if data.len() > COALESCE {
+                        // Written from where it is, behind what waits in `out` (the head, a chunk
+                        // size line), with the chunk's end, and the last chunk when it is the last.
+                        let chunked = framing == Outgoing::Chunked;
+                        let end = body.is_end_stream();
+                        if chunked {
+                            append_chunk_size(out, data.len());
+                        }
+                        let tail: &[u8] = match (chunked, end) {
+                            (true, true) => b"\r\n0\r\n\r\n",
+                            (true, false) => b"\r\n",
+                            (false, _) => b"",
+                        };
+                        let mut parts = [
+                            io::IoSlice::new(out),
+                            io::IoSlice::new(&data),
+                            io::IoSlice::new(tail),
+                        ];
+                        write_all_vectored(writer, &mut parts).await?;
+                        out.clear();
+                        if end {
+                            // The last chunk went out with it: nothing is left in `out`.
+                            break;
+                        }
+                        continue;
+                    }
+                    if framing == Outgoing::Chunked {
+                        append_chunk(out, &data);
+                    } else {
+                        out.extend_from_slice(&data);
+                    }
+                }
+                Err(frame) => {
+                    if let (Ok(trailers), Outgoing::Chunked) = (frame.into_trailers(), framing) {
+                        append_last_chunk(out, Some(&trailers));
                         break;
                     }
                     continue;
                 }
-                if framing == Outgoing::Chunked {
-                    append_chunk(out, &data);
-                } else {
-                    out.extend_from_slice(&data);
-                }
             }
-            Err(frame) => {
-                if let (Ok(trailers), Outgoing::Chunked) = (frame.into_trailers(), framing) {
-                    append_last_chunk(out, Some(&trailers));
-                    break;
-                }
-                continue;
+            if out.len() >= MAX_BATCH {
+                // A long run of frames ready at once goes out in batches of this size.
+                writer.write_all(out).await?;
+                out.clear();
             }
         }
-        if out.len() >= MAX_BATCH {
-            // A long run of frames ready at once goes out in batches of this size.
-            writer.write_all(out).await?;
-            out.clear();
-        }
+        writer.write_all(out).await?;
+        // An idle connection holds no write buffer.
+        buffers::give_write(out);
+        drop(body);
+        let complete = match framing {
+            Outgoing::Length(length) => sent == length,
+            _ => true,
+        };
+        Ok(!close && complete && framing != Outgoing::Close)
     }
-    writer.write_all(out).await?;
-    out.clear();
-    drop(body);
-    let complete = match framing {
-        Outgoing::Length(length) => sent == length,
-        _ => true,
-    };
-    Ok(!close && complete && framing != Outgoing::Close)
 }
 
 /// Appends the current time as an HTTP date (IMF-fixdate), formatted once per second.
@@ -1570,6 +1659,88 @@ mod tests {
         assert!(answer.ends_with("\r\n0\r\n\r\n"), "{answer}");
         // The head, twenty events and the last chunk: one write.
         assert_eq!(writes.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    /// Answers with a stream whose events are sent through a channel.
+    struct Channel(Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Bytes>>>);
+
+    struct ChannelBody(tokio::sync::mpsc::UnboundedReceiver<Bytes>);
+
+    impl Body for ChannelBody {
+        type Data = Bytes;
+        type Error = io::Error;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+            self.get_mut()
+                .0
+                .poll_recv(cx)
+                .map(|event| event.map(|data| Ok(Frame::data(data))))
+        }
+    }
+
+    impl super::Answer for ChannelBody {}
+
+    impl Handler for Channel {
+        type Body = ChannelBody;
+
+        async fn call(
+            &self,
+            _request: Request<RequestBody>,
+            _fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            Response::new(ChannelBody(self.0.lock().unwrap().take().unwrap()))
+        }
+    }
+
+    /// Reads from `client` until `text` has come.
+    async fn read_until(client: &mut tokio::io::DuplexStream, seen: &mut Vec<u8>, text: &str) {
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(seen).contains(text) {
+            let read = client.read(&mut chunk).await.unwrap();
+            assert!(read > 0, "closed before {text:?}: {}", String::from_utf8_lossy(seen));
+            seen.extend_from_slice(&chunk[..read]);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_between_two_events_holds_no_buffer() {
+        super::buffers::clear();
+        let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let (_drain, draining) = watch::channel(false);
+        let (mut client, served) = scripted(
+            test_limits(),
+            draining,
+            Channel(Mutex::new(Some(receiver))),
+        );
+        let script = async {
+            client
+                .write_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let mut seen = Vec::new();
+            for i in 0..3 {
+                let event = format!("data: {{\"token\": {i}}}\n\n");
+                events.send(Bytes::from(event.clone())).unwrap();
+                read_until(&mut client, &mut seen, &event).await;
+                // The event is out and the stream waits for the next one and watches its client:
+                // both of the connection's buffers are back with the thread, and the same two
+                // serve every event.
+                assert_eq!(super::buffers::kept(), (1, 1), "after event {i}");
+            }
+            drop(events);
+            read_until(&mut client, &mut seen, "\r\n0\r\n\r\n").await;
+            // The answer is complete and the connection waits for the next request.
+            tokio::task::yield_now().await;
+            assert_eq!(super::buffers::kept(), (1, 1));
+            drop(client);
+            String::from_utf8_lossy(&seen).into_owned()
+        };
+        let ((), answer) = tokio::join!(served, script);
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.contains("transfer-encoding: chunked"), "{answer}");
     }
 
     #[tokio::test]

@@ -85,6 +85,35 @@ impl FieldLines {
             )
     }
 
+    /// The first `Some` that `f` gives for the values of the lines named `name`, in order.
+    /// Each line's end is found with `memchr` and only a line whose name is as long as `name`
+    /// is compared: a lookup does not walk every byte of the other lines.
+    fn find_line<'a, T>(
+        &'a self,
+        name: &[u8],
+        mut f: impl FnMut(&'a [u8]) -> Option<T>,
+    ) -> Option<T> {
+        let mut rest: &'a [u8] = &self.lines;
+        while !rest.is_empty() {
+            let end = memchr::memchr(b'\n', rest).map_or(rest.len(), |at| at + 1);
+            let (line, next) = rest.split_at(end);
+            rest = next;
+            // `name: value\r\n`, as `append_field` writes it.
+            let Some(line) = line.strip_suffix(b"\r\n") else {
+                continue;
+            };
+            if line.len() > name.len()
+                && line[name.len()] == b':'
+                && line[..name.len()].eq_ignore_ascii_case(name)
+            {
+                if let Some(found) = f(line.get(name.len() + 2..).unwrap_or_default()) {
+                    return Some(found);
+                }
+            }
+        }
+        None
+    }
+
     /// The fields as a map (for the admin API and `https://` backends), the forwarding ones as
     /// the client sent them.
     pub fn to_map(&self) -> HeaderMap {
@@ -124,10 +153,18 @@ impl<'a> Fields<'a> {
                 .get_all(name)
                 .iter()
                 .find_map(|value| f(value.as_bytes())),
-            Fields::Lines(lines) => lines
-                .iter()
-                .filter(|(field, _)| field.eq_ignore_ascii_case(name.as_bytes()))
-                .find_map(|(_, value)| f(value)),
+            Fields::Lines(lines) => {
+                let forwarding = match name {
+                    FORWARDED_FOR => Some(&lines.forwarded_for),
+                    FORWARDED_PROTO => Some(&lines.forwarded_proto),
+                    _ => None,
+                };
+                if let Some(value) = forwarding {
+                    // Never in the lines.
+                    return value.as_deref().and_then(f);
+                }
+                lines.find_line(name.as_bytes(), f)
+            }
         }
     }
 }
@@ -156,6 +193,7 @@ mod tests {
         let fields = lines(
             &[
                 ("Host", "a"),
+                ("Hostname", "b"),
                 ("Cookie", "x=1"),
                 ("X-Empty", ""),
                 ("cookie", "sid=2"),
@@ -168,6 +206,9 @@ mod tests {
         assert_eq!(view.get("x-forwarded-for"), Some(&b"10.0.0.1"[..]));
         assert_eq!(view.get("x-forwarded-proto"), None);
         assert_eq!(view.get("absent"), None);
+        // A name that starts another is not that one.
+        assert_eq!(view.get("hostname"), Some(&b"b"[..]));
+        assert_eq!(view.get("hos"), None);
         let sid = view.find_map("cookie", |value| value.strip_prefix(b"sid="));
         assert_eq!(sid, Some(&b"2"[..]));
     }

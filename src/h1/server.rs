@@ -305,7 +305,7 @@ pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
 /// until it ends (see the module documentation).
 ///
 /// Each request is two steps, each its own future inside this one: [`receive`] (the head, the
-/// body when it is read whole, the handler's answer) and [`write_response`]. Their states
+/// body when it is read whole, the handler's answer and its head) and [`write_body`]. Their states
 /// share one place in the connection's task, so a connection whose answer streams holds the
 /// response writer's state and the connection's own (buffers, timers), not the request's.
 pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
@@ -329,19 +329,17 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
         read_size: ReadSize::new(),
     });
     while let Some(input) = inbound.take() {
-        let Some((answer, written, mut held)) =
-            receive(input, &mut writer, &mut connection, &handler).await
+        let Some(Answered {
+            body,
+            framing,
+            close,
+            mut held,
+        }) = receive(input, &mut writer, &mut connection, &handler).await
         else {
             return;
         };
-        let kept = write_response(
-            &mut writer,
-            &mut connection.out,
-            answer,
-            written,
-            held.as_mut(),
-        )
-        .await;
+        let out = &mut connection.out;
+        let kept = write_body(&mut writer, out, body, framing, close, held.as_mut()).await;
         if !matches!(kept, Ok(true)) {
             return;
         }
@@ -350,6 +348,16 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
         }
         inbound = held;
     }
+}
+
+/// A request's answer, its head already in the connection's write buffer.
+struct Answered<B> {
+    body: B,
+    framing: Outgoing,
+    /// The connection ends after this response.
+    close: bool,
+    /// The reading side, when it is back.
+    held: Option<Inbound>,
 }
 
 /// What a client connection keeps from one request to the next.
@@ -362,16 +370,17 @@ struct ConnectionState {
     limits: Limits,
 }
 
-/// Reads the next request from `input` and awaits the handler's answer to it: the answer, how
-/// it is to be written, and the reading side when it is back (a streamed request body keeps it
-/// until its end). `None` when the connection ends without an answer (refusals are written
-/// here).
+/// Reads the next request from `input`, awaits the handler's answer to it and encodes the
+/// answer's head into the write buffer: the answer's body, how it is to be written, and the
+/// reading side when it is back (a streamed request body keeps it until its end). `None` when
+/// the connection ends without an answer (refusals are written here). Only the body leaves
+/// this future: the response's head is not moved again.
 async fn receive<H: Handler, W: AsyncWrite + Unpin>(
     mut input: Inbound,
     writer: &mut W,
     connection: &mut ConnectionState,
     handler: &H,
-) -> Option<(Response<H::Body>, Written, Option<Inbound>)> {
+) -> Option<Answered<H::Body>> {
     let ConnectionState {
         slot,
         out,
@@ -458,7 +467,14 @@ async fn receive<H: Handler, W: AsyncWrite + Unpin>(
         http10,
         close: !keep_alive,
     };
-    Some((answer, written, held))
+    let (parts, body) = answer.into_parts();
+    let (framing, close) = encode_response_head(out, &parts, &body, written);
+    Some(Answered {
+        body,
+        framing,
+        close,
+        held,
+    })
 }
 
 /// Awaits `answer` while watching the client's connection: `None` if the client closed it
@@ -845,26 +861,6 @@ enum Outgoing {
     Close,
 }
 
-/// Writes `answer`; `Ok(true)` when the connection may serve another request. `close` says the
-/// connection ends after this response (it then says `Connection: close`); an HTTP/1.0 client
-/// gets a body of unknown length delimited by the end of the connection.
-///
-/// The head is encoded into `out` when this is called; the future writes it and the body. It
-/// holds the body only, not the response it came in: a streaming connection's task keeps the
-/// body's state and no second copy of it.
-fn write_response<'a, B: Answer + 'a, W: AsyncWrite + Unpin>(
-    writer: &'a mut W,
-    out: &'a mut Vec<u8>,
-    answer: Response<B>,
-    written: Written,
-    input: Option<&'a mut Inbound>,
-) -> impl Future<Output = io::Result<bool>> + 'a {
-    let (parts, body) = answer.into_parts();
-    let (framing, close) = encode_response_head(out, &parts, &body, written);
-    drop(parts);
-    write_body(writer, out, body, framing, close, input)
-}
-
 /// Encodes the head of a response of `parts` and `body` into `out`; how its body is delimited,
 /// and whether the connection ends after it.
 fn encode_response_head<B: Answer>(
@@ -949,8 +945,10 @@ fn encode_response_head<B: Answer>(
     (framing, close)
 }
 
-/// Writes the head waiting in `out` and `body` delimited as `framing` says; `Ok(true)` when the
-/// connection may serve another request.
+/// Writes the head waiting in `out` ([`encode_response_head`]) and `body` delimited as
+/// `framing` says; `Ok(true)` when the connection may serve another request. `close` says the
+/// connection ends after this response (the head then says `Connection: close`); an HTTP/1.0
+/// client gets a body of unknown length delimited by the end of the connection.
 // Not an `async fn`: an `async fn` moves its arguments into its body's own locals, and the
 // future then holds the body twice; an `async` block uses what it captured in place.
 #[allow(clippy::manual_async_fn)]
@@ -1700,7 +1698,11 @@ mod tests {
         let mut chunk = [0u8; 4096];
         while !String::from_utf8_lossy(seen).contains(text) {
             let read = client.read(&mut chunk).await.unwrap();
-            assert!(read > 0, "closed before {text:?}: {}", String::from_utf8_lossy(seen));
+            assert!(
+                read > 0,
+                "closed before {text:?}: {}",
+                String::from_utf8_lossy(seen)
+            );
             seen.extend_from_slice(&chunk[..read]);
         }
     }
@@ -1710,11 +1712,8 @@ mod tests {
         super::buffers::clear();
         let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
         let (_drain, draining) = watch::channel(false);
-        let (mut client, served) = scripted(
-            test_limits(),
-            draining,
-            Channel(Mutex::new(Some(receiver))),
-        );
+        let (mut client, served) =
+            scripted(test_limits(), draining, Channel(Mutex::new(Some(receiver))));
         let script = async {
             client
                 .write_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -1,7 +1,8 @@
 //! HTTP/1.1 client connections to plain-HTTP backends, built for proxying.
 //!
-//! A [`Connection`] is a byte stream (a TCP socket, or any [`Transport`]) with a read buffer and a write buffer that live as long as the
-//! connection. [`Connection::send`] writes the request (head and, for a body in memory, the body
+//! A [`Connection`] is a byte stream (a TCP socket, or any [`Transport`]) with a read buffer and
+//! a write buffer, taken from the thread's free list while bytes move and given back while the
+//! connection waits (`h1/buffers.rs`). [`Connection::send`] writes the request (head and, for a body in memory, the body
 //! in one write), reads the response head, and returns the response with a [`ResponseStream`]
 //! that owns the connection and reads the body from the socket as the client's side polls it, in
 //! the task that serves the client: no task per connection, no channel between the two sides.

@@ -9,9 +9,10 @@
 //! empty buffers to a pool the same way).
 //!
 //! Only buffers of the small size are kept ([`READ_BUFFER`] and [`WRITE_BUFFER`], up to twice
-//! that), at most [`KEEP`] of each kind per thread; a larger or shared one is freed. Taking
-//! and giving are a push and a pop on a thread-local list: no allocation while the list has
-//! one.
+//! that), at most [`KEEP`] of each kind per thread. A larger read buffer stays with its
+//! connection (a large body is being read) and so does one whose memory is still shared; a
+//! larger write buffer is freed. Taking and giving are a pop and a push on a thread-local list:
+//! no allocation while the list has one.
 
 use std::cell::RefCell;
 

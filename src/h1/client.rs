@@ -2,10 +2,11 @@
 //!
 //! A [`Connection`] is a byte stream (a TCP socket, or any [`Transport`]) with a read buffer and
 //! a write buffer, taken from the thread's free list while bytes move and given back while the
-//! connection waits (`h1/buffers.rs`). [`Connection::send`] writes the request (head and, for a body in memory, the body
-//! in one write), reads the response head, and returns the response with a [`ResponseStream`]
-//! that owns the connection and reads the body from the socket as the client's side polls it, in
-//! the task that serves the client: no task per connection, no channel between the two sides.
+//! connection waits (`h1/buffers.rs`). [`Connection::send`] writes the request (head and, for a
+//! body in memory, the body in one write), reads the response head, and returns the response
+//! with a [`ResponseStream`] that owns the connection and reads the body from the socket as the
+//! client's side polls it, in the task that serves the client: no task per connection, no
+//! channel between the two sides.
 //! Once the body was read to its end, [`ResponseStream::take_connection`] hands the connection
 //! back for the next request, if the exchange left it reusable.
 //!

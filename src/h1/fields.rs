@@ -64,16 +64,31 @@ impl FieldLines {
         self.has_content_length
     }
 
+    /// Each line without its `\r\n`, as [`super::append_field`] writes them: `name: value`.
+    /// Each line's end is found with `memchr`.
+    fn each_line(&self) -> impl Iterator<Item = &[u8]> {
+        let mut rest: &[u8] = &self.lines;
+        std::iter::from_fn(move || {
+            while !rest.is_empty() {
+                let end = memchr::memchr(b'\n', rest).map_or(rest.len(), |at| at + 1);
+                let (line, next) = rest.split_at(end);
+                rest = next;
+                if let Some(line) = line.strip_suffix(b"\r\n") {
+                    return Some(line);
+                }
+            }
+            None
+        })
+    }
+
     /// Every field, the forwarding ones the client sent last.
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         let forwarding = [
             (FORWARDED_FOR, &self.forwarded_for),
             (FORWARDED_PROTO, &self.forwarded_proto),
         ];
-        self.lines
-            .split(|&byte| byte == b'\n')
+        self.each_line()
             .filter_map(|line| {
-                let line = line.strip_suffix(b"\r")?;
                 let colon = line.iter().position(|&byte| byte == b':')?;
                 // `append_field` puts one space after the colon.
                 Some((&line[..colon], line.get(colon + 2..).unwrap_or_default()))
@@ -85,33 +100,18 @@ impl FieldLines {
             )
     }
 
-    /// The first `Some` that `f` gives for the values of the lines named `name`, in order.
-    /// Each line's end is found with `memchr` and only a line whose name is as long as `name`
-    /// is compared: a lookup does not walk every byte of the other lines.
-    fn find_line<'a, T>(
-        &'a self,
-        name: &[u8],
-        mut f: impl FnMut(&'a [u8]) -> Option<T>,
-    ) -> Option<T> {
-        let mut rest: &'a [u8] = &self.lines;
-        while !rest.is_empty() {
-            let end = memchr::memchr(b'\n', rest).map_or(rest.len(), |at| at + 1);
-            let (line, next) = rest.split_at(end);
-            rest = next;
-            // `name: value\r\n`, as `append_field` writes it.
-            let Some(line) = line.strip_suffix(b"\r\n") else {
-                continue;
-            };
-            if line.len() > name.len()
-                && line[name.len()] == b':'
-                && line[..name.len()].eq_ignore_ascii_case(name)
-            {
-                if let Some(found) = f(line.get(name.len() + 2..).unwrap_or_default()) {
-                    return Some(found);
-                }
-            }
-        }
-        None
+    /// The first `Some` that `f` gives for the values of the lines named `name`, in order. Only
+    /// a line whose name is as long as `name` is compared: a lookup does not walk every byte of
+    /// the other lines.
+    fn find_line<'a, T>(&'a self, name: &[u8], f: impl FnMut(&'a [u8]) -> Option<T>) -> Option<T> {
+        self.each_line()
+            .filter(|line| {
+                line.len() > name.len()
+                    && line[name.len()] == b':'
+                    && line[..name.len()].eq_ignore_ascii_case(name)
+            })
+            .map(|line| line.get(name.len() + 2..).unwrap_or_default())
+            .find_map(f)
     }
 
     /// The fields as a map (for the admin API and `https://` backends), the forwarding ones as

@@ -986,7 +986,7 @@ fn write_body<'a, B: Answer + 'a>(
                         // A waiting stream holds no write buffer.
                         buffers::give_write(out);
                         let next = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
-                        let frame = match input.as_deref_mut() {
+                        match input.as_deref_mut() {
                             // While the body waits on its backend, a client that leaves ends it.
                             Some(watched) => tokio::select! {
                                 biased;
@@ -997,17 +997,16 @@ fn write_body<'a, B: Answer + 'a>(
                                     }
                                     // A pipelined request came: it waits in the buffer.
                                     input = None;
-                                    buffers::ensure_write(out);
                                     continue;
                                 }
                             },
                             None => next.await,
-                        };
-                        buffers::ensure_write(out);
-                        frame
+                        }
                     }
                 }
             };
+            // Given back if the body waited; whatever comes next is written from it.
+            buffers::ensure_write(out);
             let frame = match frame {
                 None => {
                     if framing == Outgoing::Chunked {

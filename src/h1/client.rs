@@ -725,9 +725,11 @@ impl<S: Transport> ResponseStream<S> {
                 .is_some_and(|connection| connection.read.is_empty());
         if reusable {
             let mut connection = self.connection.take()?;
-            // An idle connection keeps a small buffer, whatever the answer grew it to.
+            // An idle connection holds no read buffer, whatever the answer grew it to (one its
+            // last frame still shares stays until the next read).
             connection.read_size = ReadSize::new();
             connection.read_size.shrink(&mut connection.read);
+            buffers::give_read(&mut connection.read);
             Some(connection)
         } else {
             None

@@ -181,6 +181,11 @@ async fn a_request_goes_out_byte_for_byte_and_the_connection_comes_back_after_th
     let (mut far, connection) = tokio::join!(backend, client);
     let mut connection = connection.expect("reusable");
     assert!(connection.is_clean());
+    // Idle, it holds neither buffer: both are back with the thread.
+    assert_eq!(
+        (connection.read.capacity(), connection.write.capacity()),
+        (0, 0)
+    );
 
     // The same connection carries the next exchange.
     let headers = HeaderMap::new();

@@ -508,7 +508,10 @@ impl QueuedLeastLatency {
             .answered
             .load(Ordering::Relaxed);
         let ramp = self.ramp_room(answered.max(backend.completed()), in_flight);
-        if in_flight > 0 && !((in_flight as f64) < limit && ramp) {
+        // A request goes where the limit has a whole slot for it: with a limit of 4.4 a fifth
+        // would wait inside the replica, behind the four it runs, out of the router queue's
+        // order (bands, tenants' shares). The next one goes when the limit reaches 5.
+        if in_flight > 0 && !((in_flight as f64) + 1.0 <= limit && ramp) {
             return None;
         }
         let relative = relative_cost(fleet, state);
@@ -1024,6 +1027,32 @@ mod tests {
             }
         }
         strategy
+    }
+
+    #[test]
+    fn a_request_goes_only_where_the_limit_has_a_whole_slot_for_it() {
+        // A learned limit between two counts (4.5: found, not yet proven, room for a fifth)
+        // admits 4 in flight: a fifth would wait inside the replica behind the four it runs,
+        // where the router's queue order (bands, tenants' shares) no longer holds. The fifth
+        // goes once the limit reaches 5.
+        let request = RequestInfo::default();
+        for (i, limit, admitted) in [(50, 4.5, 4), (51, 5.0, 5)] {
+            let replica = backend(i);
+            let set = vec![Arc::clone(&replica)];
+            let params = super::super::Params {
+                initial_limit: limit,
+                ..super::super::Params::default()
+            };
+            let strategy =
+                QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
+            for _ in 0..3 {
+                strategy.learn_first_byte(&replica, &first_byte(0.02, 0, 0));
+            }
+            busy(&replica, admitted - 1);
+            assert_eq!(strategy.pick(&request, (&set).into()), Some(0), "{limit}");
+            busy(&replica, 1);
+            assert_eq!(strategy.pick(&request, (&set).into()), None, "{limit}");
+        }
     }
 
     #[test]

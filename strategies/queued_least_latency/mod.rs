@@ -36,8 +36,10 @@
 //!   long prompts taught the prefill rate). It starts at `initial_limit`; an engine's stated
 //!   capacity
 //!   (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A measured backend
-//!   is a candidate while its in-flight count is below its limit and below `ramp_up_factor` ×
-//!   its first bytes (or completed requests, the larger).
+//!   is a candidate while one more request in flight stays within its limit (a limit of 4.4
+//!   admits 4: a fifth would wait inside the replica, out of the router queue's order) and its
+//!   in-flight count is below `ramp_up_factor` × its first bytes (or completed requests, the
+//!   larger).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
 //!   than `load_bound` × its share of the work in flight (expected output tokens, weighted by
 //!   relative cost) plus two typical requests' work is skipped; so is a backend whose queued prefill (uncached prompt tokens

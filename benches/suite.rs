@@ -43,6 +43,10 @@ struct Args {
     /// Runs with seeds seed, seed+1, …; the report shows medians.
     #[arg(long, default_value_t = 1)]
     runs: usize,
+    /// Router peers write their access log (one JSON line per request) to
+    /// `<out>/work/<peer>/access-<scenario>-seed<n>.jsonl`.
+    #[arg(long)]
+    access_logs: bool,
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -70,6 +74,7 @@ fn main() -> ExitCode {
         out_dir: std::path::absolute(&args.out).unwrap_or(args.out),
         router_binary: PathBuf::from(env!("CARGO_BIN_EXE_custom-router")),
         command: command_line(),
+        access_logs: args.access_logs,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -793,6 +793,8 @@ pub struct Lease {
     work: InFlightWork,
     /// The backend's queued prefill when the request was dispatched.
     queued_tokens: u64,
+    /// The backend's requests in flight when it was dispatched, this one included.
+    in_flight: usize,
 }
 
 impl std::fmt::Debug for Lease {
@@ -814,6 +816,7 @@ impl Lease {
             output: u64::from(info.expected_output_tokens()),
         };
         backend.acquire_work(&work);
+        let in_flight = backend.in_flight();
         balancer.leased.fetch_add(1, Ordering::Relaxed);
         Self {
             balancer: Arc::clone(balancer),
@@ -824,6 +827,7 @@ impl Lease {
             released: false,
             work,
             queued_tokens,
+            in_flight,
         }
     }
 
@@ -866,6 +870,7 @@ impl Lease {
                     streamed: self.streamed,
                     uncached_tokens: self.work.prefill,
                     queued_tokens: self.queued_tokens,
+                    in_flight: self.in_flight,
                     dispatched_at: self.dispatched_at,
                 },
             );

@@ -389,6 +389,10 @@ pub struct FirstByte {
     /// Uncached prompt tokens of other requests that were waiting for their first byte on the
     /// backend when this one was dispatched ([`Backend::prefill_in_flight`]).
     pub queued_tokens: u64,
+    /// Requests in flight on the backend when this one was dispatched, itself included: a
+    /// strategy that limits concurrency can tell a first byte that tested its limit (the
+    /// request took the last slot it allowed) from one well within it.
+    pub in_flight: usize,
     /// When the request was dispatched: a strategy that reacts to a late first byte can tell
     /// whether the request was sent before or after its last reaction.
     pub dispatched_at: tokio::time::Instant,

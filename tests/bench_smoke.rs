@@ -24,6 +24,7 @@ fn smoke_options(out_dir: PathBuf) -> lab::SuiteOptions {
         out_dir,
         router_binary: PathBuf::from(env!("CARGO_BIN_EXE_custom-router")),
         command: "tests/bench_smoke.rs".to_owned(),
+        access_logs: false,
     }
 }
 

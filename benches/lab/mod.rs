@@ -139,6 +139,8 @@ pub struct SuiteOptions {
     pub router_binary: PathBuf,
     /// The command line shown in the report.
     pub command: String,
+    /// Whether router peers write access logs to `out_dir/work/<peer>/`.
+    pub access_logs: bool,
 }
 
 /// Runs the selected scenarios against every selected peer and returns the report (not yet
@@ -165,6 +167,7 @@ pub async fn run_suite(options: &SuiteOptions) -> Result<SuiteReport, LabError> 
                 seed,
                 router_binary: &options.router_binary,
                 work_dir: &work_dir,
+                access_logs: options.access_logs,
             };
             let outcomes = scenario.run(&peers, context).await;
             print_progress(scenario.name, seed, &outcomes);

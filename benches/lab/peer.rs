@@ -37,12 +37,14 @@ impl PeerSpec {
         }
     }
 
-    /// Starts the peer proxying to `backends`. `work_dir` holds nginx's files.
+    /// Starts the peer proxying to `backends`. `work_dir` holds nginx's files. A router writes
+    /// its access log to `access_log` when one is given (nginx's is off).
     pub async fn start(
         &self,
         router_binary: &Path,
         work_dir: &Path,
         backends: &[String],
+        access_log: Option<&Path>,
     ) -> Result<RunningPeer, LabError> {
         match self {
             PeerSpec::Strategy(spec) => {
@@ -63,8 +65,15 @@ impl PeerSpec {
                         file.display().to_string(),
                     ));
                 }
+                let access_log = access_log.map(Path::to_owned);
+                if let Some(dir) = access_log.as_deref().and_then(Path::parent) {
+                    std::fs::create_dir_all(dir).map_err(|e| {
+                        LabError::new(format!("cannot create {}: {e}", dir.display()))
+                    })?;
+                    env.push(("CUSTOM_ROUTER_ACCESS_LOG".to_owned(), "true".to_owned()));
+                }
                 let router = tokio::task::spawn_blocking(move || {
-                    RouterProcess::start(&binary, &strategy, &env)
+                    RouterProcess::start(&binary, &strategy, &env, access_log.as_deref())
                 })
                 .await
                 .map_err(|e| LabError::new(e.to_string()))??;

@@ -32,12 +32,21 @@ pub struct RouterProcess {
 
 impl RouterProcess {
     /// Starts `binary` on a free port with JSON logs, strategy `strategy` and `extra_env`, and
-    /// waits for its "listening" log line.
+    /// waits for its "listening" log line. Its standard output (the access log, when on) goes
+    /// to `stdout` when given.
     pub fn start(
         binary: &Path,
         strategy: &str,
         extra_env: &[(String, String)],
+        stdout: Option<&Path>,
     ) -> Result<Self, LabError> {
+        let stdout = match stdout {
+            Some(path) => Stdio::from(
+                std::fs::File::create(path)
+                    .map_err(|e| LabError::new(format!("cannot create {}: {e}", path.display())))?,
+            ),
+            None => Stdio::null(),
+        };
         let mut command = Command::new(binary);
         command
             .env_clear()
@@ -47,7 +56,7 @@ impl RouterProcess {
             .env("RUST_LOG", "info")
             .envs(extra_env.iter().map(|(key, value)| (key, value)))
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(Stdio::piped());
         let mut child = command
             .spawn()

@@ -993,6 +993,20 @@ pub struct RunContext<'a> {
     pub router_binary: &'a Path,
     /// Where peers keep their files.
     pub work_dir: &'a Path,
+    /// Whether router peers write their access log (`--access-logs`), one file per scenario
+    /// and seed in their work directory.
+    pub access_logs: bool,
+}
+
+impl RunContext<'_> {
+    /// Where `peer` writes its access log in `scenario`, when access logs are asked for.
+    fn access_log(&self, scenario: &str, peer: &PeerSpec) -> Option<std::path::PathBuf> {
+        self.access_logs.then(|| {
+            self.work_dir
+                .join(peer.name())
+                .join(format!("access-{scenario}-seed{}.jsonl", self.seed))
+        })
+    }
 }
 
 /// The numbers of one peer in one run.
@@ -1082,8 +1096,14 @@ async fn run_routing(
         .filter_map(|replica| Some(Arc::clone(&replica.sim.as_ref()?.stats)))
         .collect();
     let initial = &addresses[..routing.initial_backends.min(addresses.len())];
+    let access_log = context.access_log(scenario, peer);
     let mut running = peer
-        .start(context.router_binary, context.work_dir, initial)
+        .start(
+            context.router_binary,
+            context.work_dir,
+            initial,
+            access_log.as_deref(),
+        )
         .await?;
     let load_task = match (&routing.traffic, routing.open_loop(context.mode, seed)) {
         (Traffic::Poisson(_), Some(load)) => tokio::spawn(load::run_open_loop(
@@ -1356,7 +1376,7 @@ async fn measure_peer(
 ) -> Result<PeerRun, LabError> {
     let backends = [backend.host_port()];
     let running = peer
-        .start(context.router_binary, context.work_dir, &backends)
+        .start(context.router_binary, context.work_dir, &backends, None)
         .await?;
     let target = running.addr();
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -72,6 +72,9 @@ struct Learned {
 #[derive(Debug, Clone, Copy)]
 struct Rank {
     limit: f64,
+    /// The limit for a request none of whose prompt the backend holds: below a held ceiling
+    /// ([`Ceiling::cap`]).
+    cap: f64,
     own: f64,
     coverage: u8,
     prefill_rate: f64,
@@ -95,6 +98,41 @@ struct History {
     lowered_at: Option<Instant>,
     /// First bytes the prefill rate was read off.
     prefill_samples: u32,
+    /// The probe above the limit that failed last ([`Ceiling`]).
+    ceiling: Option<Ceiling>,
+}
+
+impl History {
+    /// The limit a held ceiling sets for requests none of whose prompt the backend holds: just
+    /// below its count while the hold lasts, then just above it (one probe at the count), and
+    /// none without a ceiling.
+    fn cap(&self) -> f64 {
+        match self.ceiling {
+            Some(ceiling) if ceiling.hold > 0 => ceiling.count - 0.5,
+            Some(ceiling) => ceiling.count + 0.5,
+            None => f64::INFINITY,
+        }
+    }
+}
+
+/// A count of requests in flight found to be one too many: a request that took the last slot
+/// the limit allowed had its first byte late (it waited inside the replica, behind the ones it
+/// runs). Requests none of whose prompt the backend holds stay below it for a while, then one
+/// probes it again: the ceiling is lifted after an on-time probe, held twice as long after each
+/// further failure (the probe costs the request that makes it a wait in the replica's own
+/// queue, out of the router queue's order). A request whose prompt the backend holds in part
+/// may still go up to the limit: waiting inside the engine that holds its prefix is worth more
+/// to it than a free slot elsewhere.
+#[derive(Debug, Clone, Copy)]
+struct Ceiling {
+    /// The count that was one too many.
+    count: f64,
+    /// On-time first bytes still to see before the limit may reach `count` again.
+    hold: u32,
+    /// Failed probes in a row (the hold doubles with each, up to [`MAX_PROBE_BACKOFF`]).
+    failures: u8,
+    /// When it was found: a late first byte of a request sent before then is of the same round.
+    set_at: Instant,
 }
 
 impl Learned {
@@ -123,6 +161,7 @@ impl Learned {
     fn rank(&self) -> Rank {
         Rank {
             limit: self.limit,
+            cap: self.history.cap(),
             own: self.own,
             coverage: self.coverage,
             prefill_rate: self.prefill_rate,
@@ -260,6 +299,8 @@ pub(super) struct Slot {
     generation: AtomicU64,
     /// [`Learned::limit`], as `f64` bits.
     limit: AtomicU64,
+    /// [`History::cap`], as `f64` bits.
+    cap: AtomicU64,
     /// [`Learned::own`], as `f64` bits.
     own: AtomicU64,
     /// [`Learned::coverage`].
@@ -278,6 +319,7 @@ impl Slot {
     fn rank(&self, generation: u64) -> Option<Rank> {
         (self.generation.load(Ordering::Relaxed) == generation).then(|| Rank {
             limit: f64::from_bits(self.limit.load(Ordering::Relaxed)),
+            cap: f64::from_bits(self.cap.load(Ordering::Relaxed)),
             own: f64::from_bits(self.own.load(Ordering::Relaxed)),
             coverage: self.coverage.load(Ordering::Relaxed),
             prefill_rate: f64::from_bits(self.prefill_rate.load(Ordering::Relaxed)),
@@ -287,6 +329,8 @@ impl Slot {
     /// Writes what a pick reads (the history is written by the caller).
     fn store(&self, learned: &Learned, generation: u64) {
         self.limit.store(learned.limit.to_bits(), Ordering::Relaxed);
+        self.cap
+            .store(learned.history.cap().to_bits(), Ordering::Relaxed);
         self.own.store(learned.own.to_bits(), Ordering::Relaxed);
         self.coverage.store(learned.coverage, Ordering::Relaxed);
         self.prefill_rate
@@ -326,6 +370,20 @@ impl Default for LoadState {
 const BASELINE_DRIFT: f64 = 0.002;
 /// Weight of a new limit estimate.
 const LIMIT_SMOOTHING: f64 = 0.2;
+/// Rounds (the ceiling's count of on-time first bytes) the limit stays below a ceiling after
+/// its first failed probe.
+const PROBE_HOLD_ROUNDS: f64 = 2.0;
+/// Doublings of the hold after failed probes in a row: at most 2⁴ × 2 rounds between probes.
+const MAX_PROBE_BACKOFF: u8 = 4;
+/// A probe of a ceiling is on time within this multiple of the expected time to first byte
+/// plus [`PROBE_SLACK`] (stricter than `ttfb_tolerance`): a request that waited for a slot
+/// inside the replica did not find room, whatever the tolerance for noise elsewhere.
+const PROBE_TOLERANCE: f64 = 1.25;
+/// A first byte this many times past the tolerated time says its request's count in flight
+/// was too many even well within the limit.
+const CLEARLY_LATE: f64 = 2.0;
+/// Seconds a probe's first byte may come after the expected time × [`PROBE_TOLERANCE`].
+const PROBE_SLACK: f64 = 0.005;
 /// Prefill seconds per uncached prompt token assumed before a backend has shown its own: 10,000
 /// tokens a second, a mid-size model on one current GPU.
 pub(super) const PRIOR_PREFILL_SECONDS_PER_TOKEN: f64 = 1e-4;
@@ -340,10 +398,12 @@ const PREFILL_SAMPLES_TO_JUDGE: u32 = 16;
 const PREFILL_RATE_DOWN: f64 = 0.3;
 const PREFILL_RATE_UP: f64 = 0.05;
 
-/// Typical requests' work a candidate holding part of the prompt may hold above `load_bound` ×
-/// its share (the load guard): with few requests in flight a multiple alone would leave no room
-/// for locality (1.1 × 4 requests is 4.4), with hundreds a multiple alone would let one engine
-/// take tens more than its share (1.25 × 250 is 312), past its KV cache.
+/// Typical requests (of work, and in count) a candidate holding part of the prompt may hold
+/// above its share (the load guard), and at most as many again for `load_bound`'s multiple of
+/// the share: with few requests per replica a multiple alone would leave no room for locality
+/// (1.1 × 4 requests is 4.4), with hundreds it would let one engine take tens more than its
+/// share (1.1 × 250 is 275) while its capacity, in sequences and KV cache, is absolute: the
+/// locality it buys is one request's prefill whatever the scale.
 const LOAD_SLACK: f64 = 2.0;
 
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
@@ -365,11 +425,18 @@ pub(super) struct Demand<'r> {
     /// Tokens of output a typical request in flight is expected to generate.
     typical_output: f64,
     /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
-    /// relative cost, a candidate may already hold: `load_bound` times its share of the work in
-    /// flight with this request added, plus [`LOAD_SLACK`] typical requests (the least loaded
-    /// candidate is always within it). It
-    /// applies to backends that hold part of the prompt: locality is what could pile up.
+    /// relative cost, a candidate may already hold: its share of the work in flight with this
+    /// request added, plus [`LOAD_SLACK`] typical requests, plus `load_bound`'s multiple of the
+    /// share above it up to as many again ([`guard_bound`]; the least loaded candidate is
+    /// always within it). It applies to backends that hold part of the prompt: locality is what
+    /// could pile up.
     bound: Option<f64>,
+    /// The load guard's count of requests: how many requests a candidate holding part of the
+    /// prompt may already hold, its equal share of those in flight with this one added, plus
+    /// the same slack ([`guard_bound`]). Work weighs a request by its answer's length, but an
+    /// engine fills up by sequences and KV cache: many short answers past its share overflow
+    /// it as surely as a few long ones.
+    count_bound: Option<f64>,
     /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
     /// already wait for their first byte on a candidate: `load_bound` times the mean over the
     /// candidates with this request's prompt added, or this request's prompt tokens if more
@@ -429,9 +496,14 @@ impl<'r> Demand<'r> {
         // Both guards apply to a request with a prompt when there is a choice.
         let guarded = prompt.is_some() && count > 1;
         let bound = guarded.then(|| {
-            strategy.load_bound * (work as f64 + output) / speed.max(f64::MIN_POSITIVE)
-                + LOAD_SLACK * typical_output
+            guard_bound(
+                strategy.load_bound,
+                (work as f64 + output) / speed.max(f64::MIN_POSITIVE),
+                typical_output,
+            )
         });
+        let count_bound = guarded
+            .then(|| guard_bound(strategy.load_bound, (in_flight + 1) as f64 / count_f, 1.0));
         let prompt_tokens = request.prompt_tokens() as f64;
         let prefill_bound = guarded.then(|| {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
@@ -446,6 +518,7 @@ impl<'r> Demand<'r> {
             unit: mean_latency / (limits / count_f).max(1.0),
             typical_output,
             bound,
+            count_bound,
             prefill_bound,
             awaiting_bound,
             now: prompt.map(|_| Instant::now()),
@@ -459,8 +532,11 @@ impl Demand<'_> {
         self.bound.is_some()
     }
 
-    /// This demand with no guard: for a pick where no backend with room is within them.
-    pub(super) fn unguarded(&self) -> Self {
+    /// This demand with only the count guard: for a pick where no backend with room is within
+    /// every guard. The count guard is about capacity (an engine fills up by sequences), the
+    /// others about where work and prefill pile up; when they disagree (one backend holds more
+    /// requests, another more work), capacity comes first.
+    pub(super) fn counted(&self) -> Self {
         Self {
             bound: None,
             prefill_bound: None,
@@ -468,6 +544,25 @@ impl Demand<'_> {
             ..*self
         }
     }
+
+    /// This demand with no guard: for a pick where no backend with room is within them.
+    pub(super) fn unguarded(&self) -> Self {
+        Self {
+            bound: None,
+            count_bound: None,
+            prefill_bound: None,
+            awaiting_bound: None,
+            ..*self
+        }
+    }
+}
+
+/// The load guard's bound for a `share` of the load counted in units of `typical` requests:
+/// the share plus [`LOAD_SLACK`] typical requests, plus `load_bound`'s multiple of the share
+/// above it up to as many again.
+fn guard_bound(load_bound: f64, share: f64, typical: f64) -> f64 {
+    let slack = LOAD_SLACK * typical;
+    share + slack + ((load_bound - 1.0) * share).min(slack)
 }
 
 /// A backend's cost relative to the fleet's (1.0 before it was measured).
@@ -508,6 +603,16 @@ impl QueuedLeastLatency {
             .answered
             .load(Ordering::Relaxed);
         let ramp = self.ramp_room(answered.max(backend.completed()), in_flight);
+        let matched = if demand.prompt_tokens == 0 {
+            0
+        } else {
+            Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
+        };
+        // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]).
+        let limit = match state {
+            Some(rank) if matched == 0 => limit.min(rank.cap),
+            _ => limit,
+        };
         // A request goes where the limit has a whole slot for it: with a limit of 4.4 a fifth
         // would wait inside the replica, behind the four it runs, out of the router queue's
         // order (bands, tenants' shares). The next one goes when the limit reaches 5.
@@ -516,13 +621,14 @@ impl QueuedLeastLatency {
         }
         let relative = relative_cost(fleet, state);
         let held = backend.work_in_flight() as f64;
-        let matched = if demand.prompt_tokens == 0 {
-            0
-        } else {
-            Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
-        };
         // The guard is for locality: a backend that holds none of the prompt draws nothing to it.
         if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
+            return None;
+        }
+        if demand
+            .count_bound
+            .is_some_and(|bound| in_flight as f64 > bound)
+        {
             return None;
         }
         let queued_prefill = backend.prefill_in_flight();
@@ -564,6 +670,16 @@ impl QueuedLeastLatency {
             .strategy_slot::<Slot>()
             .rank(generation)
             .map_or(self.initial_limit, |s| s.limit)
+    }
+
+    /// The limit for a request none of whose prompt `backend` holds: the learned limit, below a
+    /// held [`Ceiling`].
+    pub fn limit_without_prefix(&self, backend: &Backend) -> f64 {
+        let generation = self.load_state().generation;
+        backend
+            .strategy_slot::<Slot>()
+            .rank(generation)
+            .map_or(self.initial_limit, |s| s.limit.min(s.cap))
     }
 
     /// The prefill rate learned for `backend`, in seconds per uncached prompt token.
@@ -675,11 +791,11 @@ impl QueuedLeastLatency {
     /// The TTFB expected without congestion is the backend's fixed delay (the baseline) plus the
     /// prefill of the prompt tokens it had to compute — this request's uncached ones and those
     /// queued ahead of it — at its prefill rate. Within `ttfb_tolerance` × that + `ttfb_slack`,
-    /// the limit grows: by two per first byte until the first late one (slow start: it doubles
-    /// every round even when the answers are long streams that keep their slots), by about
-    /// √limit / 5 after; only while the backend is using at least half of it. A later first
-    /// byte lowers it in proportion (a gradient, at most halving the estimate), once per round:
-    /// not for a request sent before the last decrease.
+    /// the limit grows ([`Self::grow`]). A later first byte lowers it in proportion (a
+    /// gradient, at most halving the estimate), once per round: not for a request sent before
+    /// the last decrease. A late first byte of a request that tested the limit (it took the last
+    /// slot the limit allowed, or it was clearly late) finds a [`Ceiling`]; a probe of a ceiling
+    /// is judged by the stricter [`PROBE_TOLERANCE`].
     fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) {
         let ttfb = first_byte.seconds;
         let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
@@ -717,34 +833,100 @@ impl QueuedLeastLatency {
         }
         let expected = baseline + prefill as f64 * state.prefill_rate;
         let tolerated = self.ttfb_tolerance * expected + self.ttfb_slack;
-        let target = if ttfb <= tolerated || !known {
-            if busy < state.limit / 2.0 {
-                return;
-            }
-            if state.history.congested {
-                state.limit + state.limit.sqrt()
-            } else {
-                // Slow start, undamped: two more per first byte, as a stream keeps its slot
-                // after it (one for the slot, one for growth): the limit doubles every round even
-                // when every answer is a long stream, where one more per first byte would let
-                // one more request go per round only.
-                state.limit = (state.limit + 2.0).min(self.max_limit);
-                return;
-            }
+        if !known {
+            self.grow(state, busy);
+            return;
+        }
+        let count = first_byte.in_flight as f64;
+        let ceiling = state.history.ceiling;
+        // A probe: the request went at (or past) the ceiling's count once its hold was over.
+        let probe = ceiling.is_some_and(|c| {
+            c.hold == 0 && count >= c.count && first_byte.dispatched_at >= c.set_at
+        });
+        let on_time = if probe {
+            ttfb <= PROBE_TOLERANCE * expected + PROBE_SLACK
         } else {
+            ttfb <= tolerated
+        };
+        if on_time {
+            if probe {
+                // Room at that count now: the limit grows past it.
+                state.history.ceiling = None;
+            } else if busy >= state.limit.min(state.history.cap()) / 2.0
+                && let Some(ceiling) = state.history.ceiling.as_mut()
+            {
+                ceiling.hold = ceiling.hold.saturating_sub(1);
+            }
+            self.grow(state, busy);
+            return;
+        }
+        // Late. A request that took the last slot the limit allows (or more) found no room:
+        // that count is one too many, for a while. So is any count whose request came clearly
+        // late (a limit overshot in slow start), not just past the noise of the expected time.
+        let allowed = state.limit.min(state.history.cap());
+        let tested = count + 1.0 > allowed || probe || ttfb > CLEARLY_LATE * tolerated;
+        // Past the tolerance for noise, the limit is lowered in proportion, once per round.
+        if ttfb > tolerated {
             state.history.congested = true;
-            if state
+            let same_round = state
                 .history
                 .lowered_at
-                .is_some_and(|lowered| first_byte.dispatched_at < lowered)
-            {
+                .is_some_and(|lowered| first_byte.dispatched_at < lowered);
+            if !same_round {
+                state.history.lowered_at = Some(Instant::now());
+                let target = state.limit * (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0);
+                state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit + LIMIT_SMOOTHING * target)
+                    .clamp(1.0, self.max_limit);
+            }
+        }
+        // A probe that missed only its stricter bound keeps the limit below the ceiling, with
+        // no decrease beyond it.
+        if tested {
+            self.found_ceiling(state, count, probe);
+        }
+    }
+
+    /// An on-time first byte on a backend using at least half of its limit: slow start (two
+    /// more, undamped) until the first late one, about √limit / 5 more after.
+    fn grow(&self, state: &mut Learned, busy: f64) {
+        if busy < state.limit / 2.0 {
+            return;
+        }
+        let grown = if state.history.congested {
+            (1.0 - LIMIT_SMOOTHING) * state.limit
+                + LIMIT_SMOOTHING * (state.limit + state.limit.sqrt())
+        } else {
+            // Slow start, undamped: two more per first byte, as a stream keeps its slot after
+            // it (one for the slot, one for growth): the limit doubles every round even when
+            // every answer is a long stream, where one more per first byte would let one more
+            // request go per round only.
+            state.limit + 2.0
+        };
+        state.limit = grown.clamp(1.0, self.max_limit);
+    }
+
+    /// A late first byte of a request dispatched with `count` in flight that tested the limit:
+    /// `count` is a ceiling for the hold, which doubles when the request was a probe of the
+    /// ceiling in place.
+    fn found_ceiling(&self, state: &mut Learned, count: f64, probe: bool) {
+        let count = count.max(1.0);
+        let failures = match state.history.ceiling.as_mut() {
+            None => 0,
+            Some(ceiling) if probe => ceiling.failures.saturating_add(1).min(MAX_PROBE_BACKOFF),
+            // Not a probe (sent in the same round, or while the ceiling holds by a request that
+            // may pass it): a lower count lowers the ceiling, nothing else.
+            Some(ceiling) => {
+                ceiling.count = ceiling.count.min(count);
                 return;
             }
-            state.history.lowered_at = Some(Instant::now());
-            state.limit * (tolerated / ttfb.max(1e-6)).clamp(0.5, 1.0)
         };
-        state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit + LIMIT_SMOOTHING * target)
-            .clamp(1.0, self.max_limit);
+        let rounds = PROBE_HOLD_ROUNDS * count * f64::from(1u32 << failures);
+        state.history.ceiling = Some(Ceiling {
+            count,
+            hold: rounds.min(f64::from(u32::MAX)) as u32,
+            failures,
+            set_at: Instant::now(),
+        });
     }
 }
 
@@ -804,7 +986,7 @@ mod tests {
         let strategy = QueuedLeastLatency::load(3.0);
         busy(&set[0], 4);
         for _ in 0..5 {
-            strategy.learn_first_byte(&set[0], &first_byte(0.1, 0, 0));
+            strategy.learn_first_byte(&set[0], &first_byte_on(&set[0], 0.1, 0, 0));
             strategy.learn(&set[0], &streamed(1.0, 0.1));
         }
         let learned = strategy.limit(&set[0]);
@@ -823,8 +1005,22 @@ mod tests {
         assert_eq!(strategy.load_state().fleet.entries(), 1);
     }
 
+    /// A first byte of a request dispatched with `backend`'s requests in flight now.
+    fn first_byte_on(
+        backend: &Backend,
+        seconds: f64,
+        uncached_tokens: u64,
+        queued_tokens: u64,
+    ) -> FirstByte {
+        FirstByte {
+            in_flight: backend.in_flight(),
+            ..first_byte(seconds, uncached_tokens, queued_tokens)
+        }
+    }
+
     fn first_byte(seconds: f64, uncached_tokens: u64, queued_tokens: u64) -> FirstByte {
         FirstByte {
+            in_flight: 1,
             seconds,
             streamed: true,
             uncached_tokens,
@@ -857,7 +1053,7 @@ mod tests {
             let room = (strategy.limit(&replica) as usize).saturating_sub(replica.in_flight());
             busy(&replica, room);
             for _ in 0..room {
-                strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+                strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.05, 0, 0));
             }
             rounds += 1;
             assert!(
@@ -869,15 +1065,15 @@ mod tests {
         // Under half of the limit in use, a fast first byte says nothing about capacity.
         let idle = backend(2);
         for _ in 0..50 {
-            strategy.learn_first_byte(&idle, &first_byte(0.05, 0, 0));
+            strategy.learn_first_byte(&idle, &first_byte_on(&idle, 0.05, 0, 0));
         }
         assert_eq!(strategy.limit(&idle), strategy.initial_limit);
         // A late first byte ends the slow start: the limit drops, then grows by √limit / 5.
         let found = strategy.limit(&replica);
-        strategy.learn_first_byte(&replica, &first_byte(1.0, 0, 0));
+        strategy.learn_first_byte(&replica, &first_byte_on(&replica, 1.0, 0, 0));
         let after = strategy.limit(&replica);
         assert!(after < found * 0.95, "{after} after {found}");
-        strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+        strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.05, 0, 0));
         let grown = strategy.limit(&replica) - after;
         assert!(grown > 0.0 && grown < 0.25 * after.sqrt(), "{grown}");
     }
@@ -889,29 +1085,90 @@ mod tests {
         while strategy.limit(&replica) < 100.0 {
             let limit = strategy.limit(&replica) as usize;
             busy(&replica, limit.saturating_sub(replica.in_flight()));
-            strategy.learn_first_byte(&replica, &first_byte(0.05, 0, 0));
+            strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.05, 0, 0));
         }
         // Fifty requests were sent under the limit of 100; their first bytes come late, one
         // after the other. The first lowers the limit; the others were sent before that and
         // say nothing about the lower limit.
         let sent = Instant::now();
         tokio::time::advance(Duration::from_secs(2)).await;
-        let late = |dispatched_at| FirstByte {
+        let late = |dispatched_at, in_flight| FirstByte {
             dispatched_at,
+            in_flight,
             ..first_byte(2.0, 0, 0)
         };
-        strategy.learn_first_byte(&replica, &late(sent));
+        strategy.learn_first_byte(&replica, &late(sent, 100));
         let lowered = strategy.limit(&replica);
         assert!(lowered < 95.0, "{lowered}");
         for _ in 0..49 {
-            strategy.learn_first_byte(&replica, &late(sent));
+            strategy.learn_first_byte(&replica, &late(sent, 100));
         }
         assert_eq!(strategy.limit(&replica), lowered);
         // A request sent after the decrease that is late again lowers it again.
         let resent = Instant::now();
         tokio::time::advance(Duration::from_secs(2)).await;
-        strategy.learn_first_byte(&replica, &late(resent));
+        strategy.learn_first_byte(&replica, &late(resent, lowered as usize));
         assert!(strategy.limit(&replica) < lowered);
+    }
+
+    /// A stream's first byte after `seconds`, its request dispatched now with `in_flight`
+    /// requests in flight.
+    fn sent_with(in_flight: usize, seconds: f64) -> FirstByte {
+        FirstByte {
+            in_flight,
+            ..first_byte(seconds, 0, 0)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_count_found_one_too_many_holds_the_limit_below_it_until_probed_again() {
+        // A replica of 4 slots answering its first byte in 20 ms when a slot is free.
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(8);
+        busy(&replica, 1);
+        strategy.learn_first_byte(&replica, &sent_with(1, 0.02));
+        busy(&replica, 3);
+        // Slow start: 4, 6, 8, 10.
+        for _ in 0..3 {
+            strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
+        }
+        assert_eq!(strategy.limit_without_prefix(&replica), 10.0);
+        // The fifth request waited 200 ms in the replica for a slot: 5 is one too many, a
+        // request without a cached prefix stays below it at once (a gradient alone would take
+        // rounds).
+        strategy.learn_first_byte(&replica, &sent_with(5, 0.2));
+        assert_eq!(strategy.limit_without_prefix(&replica), 4.5);
+        // Two rounds of on-time first bytes (10) keep it there; then it reaches 5: a probe.
+        for _ in 0..9 {
+            strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
+            assert!(strategy.limit_without_prefix(&replica) < 5.0);
+        }
+        strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
+        assert!(strategy.limit_without_prefix(&replica) >= 5.0);
+        // The probe waits 20 ms for a slot: within the tolerance for noise (60 ms), not within
+        // the probe's (30 ms). Back below 5, with no further decrease, for twice as long.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        strategy.learn_first_byte(&replica, &sent_with(5, 0.04));
+        assert_eq!(strategy.limit_without_prefix(&replica), 4.5);
+        for _ in 0..19 {
+            strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
+            assert!(strategy.limit_without_prefix(&replica) < 5.0);
+        }
+        strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
+        assert!(strategy.limit_without_prefix(&replica) >= 5.0);
+        // The replica has more room now: the probe's first byte is on time and the limit grows
+        // past 5.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        strategy.learn_first_byte(&replica, &sent_with(5, 0.021));
+        busy(&replica, 1);
+        for _ in 0..4 {
+            strategy.learn_first_byte(&replica, &sent_with(5, 0.02));
+        }
+        assert!(
+            strategy.limit_without_prefix(&replica) >= 6.0,
+            "{}",
+            strategy.limit_without_prefix(&replica)
+        );
     }
 
     #[test]
@@ -927,7 +1184,7 @@ mod tests {
             let uncached = 500 + (i * 7_919) % 31_500;
             let queued = (i % 3) * 4_000;
             let ttfb = 0.02 + (uncached + queued) as f64 * rate;
-            strategy.learn_first_byte(&replica, &first_byte(ttfb, uncached, queued));
+            strategy.learn_first_byte(&replica, &first_byte_on(&replica, ttfb, uncached, queued));
             limits.push(strategy.limit(&replica));
         }
         let learned = strategy.prefill_rate(&replica);
@@ -938,7 +1195,10 @@ mod tests {
         );
         // The same prompts with a second of queueing on top are late.
         let before = strategy.limit(&replica);
-        strategy.learn_first_byte(&replica, &first_byte(1.02 + 8_000.0 * rate, 8_000, 0));
+        strategy.learn_first_byte(
+            &replica,
+            &first_byte_on(&replica, 1.02 + 8_000.0 * rate, 8_000, 0),
+        );
         assert!(strategy.limit(&replica) < before);
     }
 
@@ -947,26 +1207,26 @@ mod tests {
         let strategy = QueuedLeastLatency::load(3.0);
         let replica = backend(6);
         busy(&replica, 4);
-        strategy.learn_first_byte(&replica, &first_byte(0.025, 0, 0));
+        strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.025, 0, 0));
         // Twenty seconds of overload: every first byte waits 300 ms in the replica's own queue
         // while the router keeps it busy. Each is late, and stays late: the limit never climbs
         // back (were the baseline to follow, 0.3 s would read as on time within a few hundred
         // samples and the limit would grow without bound).
         for _ in 0..2_000 {
-            strategy.learn_first_byte(&replica, &first_byte(0.3, 0, 0));
+            strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.3, 0, 0));
         }
         assert_eq!(strategy.limit(&replica), 1.0);
         // A backend holding only the request itself measures its fixed delay: a replica that
         // became slower for good is learned again.
         let alone = backend(7);
         busy(&alone, 1);
-        strategy.learn_first_byte(&alone, &first_byte(0.025, 0, 0));
+        strategy.learn_first_byte(&alone, &first_byte_on(&alone, 0.025, 0, 0));
         for _ in 0..3_000 {
-            strategy.learn_first_byte(&alone, &first_byte(0.3, 0, 0));
+            strategy.learn_first_byte(&alone, &first_byte_on(&alone, 0.3, 0, 0));
         }
         busy(&alone, 3);
         let before = strategy.limit(&alone);
-        strategy.learn_first_byte(&alone, &first_byte(0.3, 0, 0));
+        strategy.learn_first_byte(&alone, &first_byte_on(&alone, 0.3, 0, 0));
         assert!(strategy.limit(&alone) >= before);
     }
 
@@ -979,13 +1239,13 @@ mod tests {
         // prefill rate predicts, cannot tell queueing from prefill yet. The slow start goes on.
         for _ in 0..3 {
             let before = strategy.limit(&replica);
-            strategy.learn_first_byte(&replica, &first_byte(0.5, 1_000, 0));
+            strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.5, 1_000, 0));
             assert_eq!(strategy.limit(&replica), before + 2.0);
         }
         // A short prompt's first byte gives the fixed delay; from then on a late one counts.
-        strategy.learn_first_byte(&replica, &first_byte(0.02, 0, 0));
+        strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.02, 0, 0));
         let before = strategy.limit(&replica);
-        strategy.learn_first_byte(&replica, &first_byte(3.0, 1_000, 0));
+        strategy.learn_first_byte(&replica, &first_byte_on(&replica, 3.0, 1_000, 0));
         assert!(strategy.limit(&replica) < before);
     }
 
@@ -1023,7 +1283,7 @@ mod tests {
         let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
         for replica in set {
             for _ in 0..3 {
-                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+                strategy.learn_first_byte(replica, &first_byte_on(replica, 0.02, 0, 0));
             }
         }
         strategy
@@ -1046,13 +1306,43 @@ mod tests {
             let strategy =
                 QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
             for _ in 0..3 {
-                strategy.learn_first_byte(&replica, &first_byte(0.02, 0, 0));
+                strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.02, 0, 0));
             }
             busy(&replica, admitted - 1);
             assert_eq!(strategy.pick(&request, (&set).into()), Some(0), "{limit}");
             busy(&replica, 1);
             assert_eq!(strategy.pick(&request, (&set).into()), None, "{limit}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ceiling_holds_back_requests_without_a_cached_prefix_only() {
+        // A replica of 4 slots: slow start took its limit to 10, then a fifth request waited
+        // inside it for a slot.
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(52);
+        let set = vec![Arc::clone(&replica)];
+        busy(&replica, 1);
+        strategy.learn_first_byte(&replica, &sent_with(1, 0.02));
+        busy(&replica, 3);
+        for _ in 0..3 {
+            strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
+        }
+        strategy.learn_first_byte(&replica, &sent_with(5, 0.2));
+        assert!(
+            strategy.limit(&replica) > 5.0,
+            "{}",
+            strategy.limit(&replica)
+        );
+        // With 4 in flight, a fifth request none of whose prompt the replica holds waits in the
+        // router's queue; one whose tenant prompt the replica holds goes: waiting in the engine
+        // that skips its prefill is worth more to it than the next free slot.
+        let cold = chat(&"A new tenant's system prompt. ".repeat(400), "hello");
+        let cached = tenant_chat_cached_on(&replica, "eleven");
+        assert_eq!(strategy.pick(&cold, (&set).into()), None);
+        assert_eq!(strategy.pick(&cached, (&set).into()), Some(0));
+        busy(&replica, 1);
+        assert_eq!(strategy.pick(&cached, (&set).into()), Some(0));
     }
 
     #[test]
@@ -1105,7 +1395,7 @@ mod tests {
         let strategy = QueuedLeastLatency::load(3.0);
         let set = vec![backend(10), backend(11)];
         for replica in &set {
-            strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            strategy.learn_first_byte(replica, &first_byte_on(replica, 0.02, 0, 0));
         }
         let request = tenant_chat_cached_on(&set[0], "seven");
         assert!(request.prompt.as_ref().unwrap().blocks.len() > 40);
@@ -1124,7 +1414,7 @@ mod tests {
     }
 
     #[test]
-    fn the_load_guard_is_a_multiple_of_the_share_plus_two_requests() {
+    fn the_load_guard_allows_a_few_requests_above_the_share_whatever_the_scale() {
         let set = vec![backend(12), backend(13)];
         let params = super::super::Params {
             initial_limit: 1000.0,
@@ -1137,19 +1427,41 @@ mod tests {
             }
         }
         let request = tenant_chat_cached_on(&set[0], "three");
-        // Few in flight: 4 against 2 is within 1.1 × 7 / 2 + 2 = 5.85 requests' work (a multiple
-        // alone, 3.85, would leave no room for the cached prefix).
+        // Few in flight: 4 against 2 is within the share (3.5) + 2 + 0.1 × the share (a
+        // multiple alone, 1.1 × 3.5 = 3.85, would leave no room for the cached prefix).
         decoding(&set[0], 4, 200);
         decoding(&set[1], 2, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        // Hundreds in flight: 280 against 240 is within 1.1 × 521 / 2 + 2 = 288.6; 310 against
-        // 240 is not (1.1 × 551 / 2 + 2 = 305.1; 1.25 × 551 / 2 = 344 would let the cached
-        // engine take 70 more than the other, past what its KV cache holds).
-        decoding(&set[0], 276, 200);
-        decoding(&set[1], 238, 200);
+        // Hundreds in flight: 256 against 248 is within the share (252.5) + 2 + 2 (the
+        // multiple's part is capped at two requests); 258 against 246 is not. A multiple of
+        // 1.1 would let the cached engine hold 277, 30 more than its peer: past its capacity
+        // when the fleet is nearly full (engines of 256 sequences).
+        decoding(&set[0], 252, 200);
+        decoding(&set[1], 246, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        decoding(&set[0], 30, 200);
+        decoding(&set[0], 2, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+    }
+
+    #[test]
+    fn many_short_answers_past_the_share_skip_a_backend_as_work_would() {
+        // A holds 30 requests of short answers (3,000 tokens of work), B 20 long ones (6,000).
+        // By work A is the less loaded, by count it holds more than its share (25.5) + 2 + 2:
+        // an engine fills up by sequences, so the request goes to B.
+        let set = vec![backend(14), backend(15)];
+        let strategy = with_room(&set);
+        for replica in &set {
+            for _ in 0..20 {
+                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        decoding(&set[0], 30, 100);
+        decoding(&set[1], 20, 300);
+        let request = chat("Be brief.", "hi");
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        // Within the count's slack, the lighter work wins.
+        decoding(&set[1], 7, 300);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
     }
 
     /// Puts `n` requests of `output` expected tokens in flight on `backend` that have had

@@ -31,23 +31,35 @@
 //!   grows by two per first byte until the first late one (slow start: it doubles every round,
 //!   streams keeping their slots), by about √limit / 5 after; a later first byte lowers it in
 //!   proportion (a gradient, as in Netflix's concurrency-limits), once per round: late first
-//!   bytes of requests sent before the last decrease lower it no further. The fixed delay is
-//!   read off first bytes with little prefill; none is judged late before it is known (or 16
-//!   long prompts taught the prefill rate). It starts at `initial_limit`; an engine's stated
-//!   capacity
-//!   (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A measured backend
-//!   is a candidate while one more request in flight stays within its limit (a limit of 4.4
-//!   admits 4: a fifth would wait inside the replica, out of the router queue's order) and its
-//!   in-flight count is below `ramp_up_factor` × its first bytes (or completed requests, the
-//!   larger).
+//!   bytes of requests sent before the last decrease lower it no further. A late first byte
+//!   of a request that took the last slot the limit allowed (or any clearly late one: twice
+//!   the tolerated time) marks the count it was dispatched with as one too many, a *ceiling*:
+//!   requests none of whose prompt the backend holds stay below it at once and for two rounds
+//!   of on-time first bytes, then one probes it; a probe is judged strictly (on time within
+//!   1.25 × expected plus 5 ms: a request that waited for a slot found none), and each
+//!   failed probe doubles the hold (up to 32 rounds), so the replica's own queue is visited
+//!   rarely rather than every few first bytes. A request whose prompt the backend holds in
+//!   part may still go up to the limit: waiting in the engine that skips its prefill is worth
+//!   more to it than the next free slot elsewhere. The fixed delay is read off first bytes with little prefill; none is judged late before
+//!   it is known (or 16 long prompts taught the prefill rate). It starts at `initial_limit`;
+//!   an engine's stated capacity (TGI `max_concurrent_requests` through `[engine_metrics]`)
+//!   replaces it. A measured backend is a candidate while one more request in flight stays
+//!   within its limit (a limit of 4.4 admits 4: a fifth would wait inside the replica, out of
+//!   the router queue's order) and its in-flight count is below `ramp_up_factor` × its first
+//!   bytes (or completed requests, the larger).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
-//!   than `load_bound` × its share of the work in flight (expected output tokens, weighted by
-//!   relative cost) plus two typical requests' work is skipped; so is a backend whose queued prefill (uncached prompt tokens
-//!   waiting for their first byte) is above `load_bound` × the candidates' mean with this
-//!   prompt added, or above this prompt's tokens if more (the prefill guard); so is a backend
-//!   holding more requests without a first byte than `load_bound` × the fewest any candidate
-//!   holds + 8 (the first-byte guard: its engine queues them). The guards choose among the
-//!   backends with room; when none with room is within them, they are waived.
+//!   work in flight (expected output tokens, weighted by relative cost) than its share plus two
+//!   typical requests' work, plus `load_bound` - 1 times the share up to two more, is skipped;
+//!   so is any backend holding more requests than its equal share of those in flight plus the
+//!   same slack in requests (the count guard: an engine fills up by sequences and KV cache,
+//!   and hundreds of sequences leave it no room for tens above its share); so is a backend
+//!   whose queued prefill (uncached prompt tokens waiting for their first byte) is above
+//!   `load_bound` × the candidates' mean with this prompt added, or above this prompt's tokens
+//!   if more (the prefill guard); so is a backend holding more requests without a first byte
+//!   than `load_bound` × the fewest any candidate holds + 8 (the first-byte guard: its engine
+//!   queues them). The guards choose among the backends with room; when none with room is
+//!   within them all, the count guard alone is kept, and when none is within that either,
+//!   they are waived.
 //! - *Score*: the expected time on the backend: relative cost × (work in flight + this
 //!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
 //!   prefill of those queued there and of its uncached prompt tokens (less the prefix the
@@ -326,6 +338,13 @@ impl Strategy for QueuedLeastLatency {
                 // The guards choose among the backends with room; they never hold a request
                 // back while one has room (the others may be full up to their limits).
                 if found.is_some() || !demand.is_guarded() {
+                    return found;
+                }
+                let counted = demand.counted();
+                let found = self.best(candidates, |backend| {
+                    self.load_score(backend, generation, &fleet, &counted)
+                });
+                if found.is_some() {
                     return found;
                 }
                 let open = demand.unguarded();

@@ -1464,6 +1464,40 @@ mod tests {
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
     }
 
+    #[test]
+    fn when_the_guards_disagree_the_count_guard_is_kept() {
+        // Both replicas hold the tenant's prompt. A: 10 long answers (10,000 tokens of work,
+        // past the load guard's 7,900); B: 30 short ones (3,000 tokens, but 30 requests, past
+        // the count guard's 24.5). No backend is within every guard: capacity comes first,
+        // and the request goes to A, where an engine has sequences to spare, not to B, whose
+        // lighter work would win the score.
+        let set = vec![backend(16), backend(17)];
+        let strategy = with_room(&set);
+        for replica in &set {
+            for _ in 0..20 {
+                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        let request = tenant_chat_cached_on(&set[0], "twelve");
+        set[1]
+            .prefixes()
+            .record(&request.prompt.as_ref().unwrap().blocks);
+        decoding(&set[0], 10, 1_000);
+        decoding(&set[1], 30, 100);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        // With 16 (within the count guard's 16.85), B is within every guard and wins.
+        for _ in 0..14 {
+            set[1].release_work(
+                &crate::backend::InFlightWork {
+                    prefill: 0,
+                    output: 100,
+                },
+                false,
+            );
+        }
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+    }
+
     /// Puts `n` requests of `output` expected tokens in flight on `backend` that have had
     /// their first byte (streams decoding).
     fn decoding(backend: &Backend, n: usize, output: u64) {

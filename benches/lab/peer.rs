@@ -66,10 +66,12 @@ impl PeerSpec {
                     ));
                 }
                 let access_log = access_log.map(Path::to_owned);
-                if let Some(dir) = access_log.as_deref().and_then(Path::parent) {
-                    std::fs::create_dir_all(dir).map_err(|e| {
-                        LabError::new(format!("cannot create {}: {e}", dir.display()))
-                    })?;
+                if let Some(path) = &access_log {
+                    if let Some(dir) = path.parent() {
+                        std::fs::create_dir_all(dir).map_err(|e| {
+                            LabError::new(format!("cannot create {}: {e}", dir.display()))
+                        })?;
+                    }
                     env.push(("CUSTOM_ROUTER_ACCESS_LOG".to_owned(), "true".to_owned()));
                 }
                 let router = tokio::task::spawn_blocking(move || {

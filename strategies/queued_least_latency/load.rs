@@ -603,20 +603,22 @@ impl QueuedLeastLatency {
             .answered
             .load(Ordering::Relaxed);
         let ramp = self.ramp_room(answered.max(backend.completed()), in_flight);
+        // A request goes where the limit has a whole slot for it: with a limit of 4.4 a fifth
+        // would wait inside the replica, behind the four it runs, out of the router queue's
+        // order (bands, tenants' shares). The next one goes when the limit reaches 5.
+        if in_flight > 0 && !((in_flight as f64) + 1.0 <= limit && ramp) {
+            return None;
+        }
         let matched = if demand.prompt_tokens == 0 {
             0
         } else {
             Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
         };
         // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]).
-        let limit = match state {
-            Some(rank) if matched == 0 => limit.min(rank.cap),
-            _ => limit,
-        };
-        // A request goes where the limit has a whole slot for it: with a limit of 4.4 a fifth
-        // would wait inside the replica, behind the four it runs, out of the router queue's
-        // order (bands, tenants' shares). The next one goes when the limit reaches 5.
-        if in_flight > 0 && !((in_flight as f64) + 1.0 <= limit && ramp) {
+        if in_flight > 0
+            && matched == 0
+            && state.is_some_and(|rank| (in_flight as f64) + 1.0 > rank.cap)
+        {
             return None;
         }
         let relative = relative_cost(fleet, state);
@@ -663,31 +665,28 @@ impl QueuedLeastLatency {
         Some(load + prefill)
     }
 
+    /// What a pick reads of `backend`'s learned state, if it has any in this generation.
+    fn learned_rank(&self, backend: &Backend) -> Option<Rank> {
+        let generation = self.load_state().generation;
+        backend.strategy_slot::<Slot>().rank(generation)
+    }
+
     /// The current concurrency limit learned for `backend` (`load` score).
     pub fn limit(&self, backend: &Backend) -> f64 {
-        let generation = self.load_state().generation;
-        backend
-            .strategy_slot::<Slot>()
-            .rank(generation)
+        self.learned_rank(backend)
             .map_or(self.initial_limit, |s| s.limit)
     }
 
     /// The limit for a request none of whose prompt `backend` holds: the learned limit, below a
     /// held [`Ceiling`].
     pub fn limit_without_prefix(&self, backend: &Backend) -> f64 {
-        let generation = self.load_state().generation;
-        backend
-            .strategy_slot::<Slot>()
-            .rank(generation)
+        self.learned_rank(backend)
             .map_or(self.initial_limit, |s| s.limit.min(s.cap))
     }
 
     /// The prefill rate learned for `backend`, in seconds per uncached prompt token.
     pub fn prefill_rate(&self, backend: &Backend) -> f64 {
-        let generation = self.load_state().generation;
-        backend
-            .strategy_slot::<Slot>()
-            .rank(generation)
+        self.learned_rank(backend)
             .map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate)
     }
 
@@ -843,6 +842,8 @@ impl QueuedLeastLatency {
         let probe = ceiling.is_some_and(|c| {
             c.hold == 0 && count >= c.count && first_byte.dispatched_at >= c.set_at
         });
+        // The limit this request was held to, if none of its prompt was cached there.
+        let allowed = state.limit.min(state.history.cap());
         let on_time = if probe {
             ttfb <= PROBE_TOLERANCE * expected + PROBE_SLACK
         } else {
@@ -852,7 +853,7 @@ impl QueuedLeastLatency {
             if probe {
                 // Room at that count now: the limit grows past it.
                 state.history.ceiling = None;
-            } else if busy >= state.limit.min(state.history.cap()) / 2.0
+            } else if busy >= allowed / 2.0
                 && let Some(ceiling) = state.history.ceiling.as_mut()
             {
                 ceiling.hold = ceiling.hold.saturating_sub(1);
@@ -863,7 +864,6 @@ impl QueuedLeastLatency {
         // Late. A request that took the last slot the limit allows (or more) found no room:
         // that count is one too many, for a while. So is any count whose request came clearly
         // late (a limit overshot in slow start), not just past the noise of the expected time.
-        let allowed = state.limit.min(state.history.cap());
         let tested = count + 1.0 > allowed || probe || ttfb > CLEARLY_LATE * tolerated;
         // Past the tolerance for noise, the limit is lowered in proportion, once per round.
         if ttfb > tolerated {
@@ -1443,18 +1443,24 @@ mod tests {
         assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
     }
 
+    /// [`with_room`], each backend having answered 23 streams: ramp-up room for 115 in flight.
+    fn with_room_for_many(set: &[Arc<Backend>]) -> QueuedLeastLatency {
+        let strategy = with_room(set);
+        for replica in set {
+            for _ in 0..20 {
+                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        strategy
+    }
+
     #[test]
     fn many_short_answers_past_the_share_skip_a_backend_as_work_would() {
         // A holds 30 requests of short answers (3,000 tokens of work), B 20 long ones (6,000).
         // By work A is the less loaded, by count it holds more than its share (25.5) + 2 + 2:
         // an engine fills up by sequences, so the request goes to B.
         let set = vec![backend(14), backend(15)];
-        let strategy = with_room(&set);
-        for replica in &set {
-            for _ in 0..20 {
-                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
-            }
-        }
+        let strategy = with_room_for_many(&set);
         decoding(&set[0], 30, 100);
         decoding(&set[1], 20, 300);
         let request = chat("Be brief.", "hi");
@@ -1472,12 +1478,7 @@ mod tests {
         // and the request goes to A, where an engine has sequences to spare, not to B, whose
         // lighter work would win the score.
         let set = vec![backend(16), backend(17)];
-        let strategy = with_room(&set);
-        for replica in &set {
-            for _ in 0..20 {
-                strategy.learn_first_byte(replica, &first_byte(0.02, 0, 0));
-            }
-        }
+        let strategy = with_room_for_many(&set);
         let request = tenant_chat_cached_on(&set[0], "twelve");
         set[1]
             .prefixes()

@@ -40,8 +40,9 @@
 //!   failed probe doubles the hold (up to 32 rounds), so the replica's own queue is visited
 //!   rarely rather than every few first bytes. A request whose prompt the backend holds in
 //!   part may still go up to the limit: waiting in the engine that skips its prefill is worth
-//!   more to it than the next free slot elsewhere. The fixed delay is read off first bytes with little prefill; none is judged late before
-//!   it is known (or 16 long prompts taught the prefill rate). It starts at `initial_limit`;
+//!   more to it than the next free slot elsewhere. The fixed delay is read off first bytes
+//!   with little prefill; none is judged late before it is known (or 16 long prompts taught
+//!   the prefill rate). It starts at `initial_limit`;
 //!   an engine's stated capacity (TGI `max_concurrent_requests` through `[engine_metrics]`)
 //!   replaces it. A measured backend is a candidate while one more request in flight stays
 //!   within its limit (a limit of 4.4 admits 4: a fifth would wait inside the replica, out of
@@ -340,17 +341,14 @@ impl Strategy for QueuedLeastLatency {
                 if found.is_some() || !demand.is_guarded() {
                     return found;
                 }
-                let counted = demand.counted();
-                let found = self.best(candidates, |backend| {
-                    self.load_score(backend, generation, &fleet, &counted)
-                });
-                if found.is_some() {
-                    return found;
-                }
-                let open = demand.unguarded();
-                self.best(candidates, |backend| {
-                    self.load_score(backend, generation, &fleet, &open)
-                })
+                // Then the count guard alone (capacity first), then none.
+                [demand.counted(), demand.unguarded()]
+                    .iter()
+                    .find_map(|demand| {
+                        self.best(candidates, |backend| {
+                            self.load_score(backend, generation, &fleet, demand)
+                        })
+                    })
             }
         }
     }

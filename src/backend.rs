@@ -403,6 +403,13 @@ impl Backend {
         self.ejections_total.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Failures in a row of its latest answers (connect, I/O and timeout errors, 500, 502, 504,
+    /// 503 without `Retry-After`): 0 after a success or a client error, and again once it is
+    /// ejected for them.
+    pub fn failures_in_a_row(&self) -> u32 {
+        self.consecutive_failures.load(Ordering::Relaxed)
+    }
+
     /// Counts a failure in a row and returns the run's length.
     pub(crate) fn record_failure_in_a_row(&self) -> u32 {
         self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1

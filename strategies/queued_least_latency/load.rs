@@ -451,6 +451,9 @@ pub(super) struct Demand<'r> {
     /// When the pick happens, for a request with a prompt: the engines' own load signals are
     /// read then ([`Backend::engine`]).
     now: Option<Instant>,
+    /// Whether held ceilings apply ([`Ceiling`]); when they do not, backends in a run of
+    /// failures are skipped ([`Self::past_ceilings`]).
+    ceilings: bool,
 }
 
 impl<'r> Demand<'r> {
@@ -522,6 +525,7 @@ impl<'r> Demand<'r> {
             prefill_bound,
             awaiting_bound,
             now: prompt.map(|_| Instant::now()),
+            ceilings: true,
         }
     }
 }
@@ -541,6 +545,18 @@ impl Demand<'_> {
             bound: None,
             prefill_bound: None,
             awaiting_bound: None,
+            ..*self
+        }
+    }
+
+    /// This demand among healthy backends, their held ceilings waived: for a pick that chose a
+    /// backend in a run of failures. A ceiling keeps a request out of a healthy replica's own
+    /// queue, which is worth less than keeping it from an answer that is likely an error (an
+    /// error is not retried once a backend answered; a wait in a healthy engine costs a few
+    /// steps).
+    pub(super) fn past_ceilings(&self) -> Self {
+        Self {
+            ceilings: false,
             ..*self
         }
     }
@@ -588,6 +604,9 @@ impl QueuedLeastLatency {
         demand: &Demand<'_>,
     ) -> Option<f64> {
         let in_flight = backend.in_flight();
+        if !demand.ceilings && backend.failures_in_a_row() > 0 {
+            return None;
+        }
         let state = backend.strategy_slot::<Slot>().rank(generation);
         if !Self::measured(backend, state) {
             return (in_flight == 0).then_some(0.0);
@@ -615,7 +634,8 @@ impl QueuedLeastLatency {
             Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
         };
         // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]).
-        if in_flight > 0
+        if demand.ceilings
+            && in_flight > 0
             && matched == 0
             && state.is_some_and(|rank| (in_flight as f64) + 1.0 > rank.cap)
         {
@@ -1315,20 +1335,24 @@ mod tests {
         }
     }
 
+    /// Takes `replica` (4 slots) through slow start to a limit of 10, then a fifth request
+    /// waits inside it for a slot: a ceiling at 5, with 4 in flight.
+    fn find_a_ceiling(strategy: &QueuedLeastLatency, replica: &Backend) {
+        busy(replica, 1);
+        strategy.learn_first_byte(replica, &sent_with(1, 0.02));
+        busy(replica, 3);
+        for _ in 0..3 {
+            strategy.learn_first_byte(replica, &sent_with(4, 0.02));
+        }
+        strategy.learn_first_byte(replica, &sent_with(5, 0.2));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_ceiling_holds_back_requests_without_a_cached_prefix_only() {
-        // A replica of 4 slots: slow start took its limit to 10, then a fifth request waited
-        // inside it for a slot.
         let strategy = QueuedLeastLatency::load(3.0);
         let replica = backend(52);
         let set = vec![Arc::clone(&replica)];
-        busy(&replica, 1);
-        strategy.learn_first_byte(&replica, &sent_with(1, 0.02));
-        busy(&replica, 3);
-        for _ in 0..3 {
-            strategy.learn_first_byte(&replica, &sent_with(4, 0.02));
-        }
-        strategy.learn_first_byte(&replica, &sent_with(5, 0.2));
+        find_a_ceiling(&strategy, &replica);
         assert!(
             strategy.limit(&replica) > 5.0,
             "{}",
@@ -1343,6 +1367,35 @@ mod tests {
         assert_eq!(strategy.pick(&cached, (&set).into()), Some(0));
         busy(&replica, 1);
         assert_eq!(strategy.pick(&cached, (&set).into()), Some(0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_answering_errors_is_not_chosen_over_a_healthy_ones_ceiling() {
+        // A healthy replica whose ceiling holds a fifth request back (as above), and a replica
+        // that answers 500 at once, idle.
+        let strategy = QueuedLeastLatency::load(3.0);
+        let (healthy, broken) = (backend(53), backend(54));
+        let set = vec![Arc::clone(&healthy), Arc::clone(&broken)];
+        find_a_ceiling(&strategy, &healthy);
+        let error = Outcome {
+            failed: true,
+            ..streamed(0.001, 0.001)
+        };
+        strategy.learn(&broken, &error);
+        let request = RequestInfo::default();
+        // While its last answer is an error, the request goes to the healthy replica past its
+        // ceiling (a wait of a few steps there) rather than to a likely error.
+        broken.record_failure_in_a_row();
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        // A replica that is only slower is not passed over that way: the ceiling holds.
+        broken.reset_failures_in_a_row();
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        // At the healthy replica's limit, the failing one is what there is.
+        broken.record_failure_in_a_row();
+        while (healthy.in_flight() as f64) + 1.0 <= strategy.limit(&healthy) {
+            busy(&healthy, 1);
+        }
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
     }
 
     #[test]

@@ -40,13 +40,16 @@
 //!   failed probe doubles the hold (up to 32 rounds), so the replica's own queue is visited
 //!   rarely rather than every few first bytes. A request whose prompt the backend holds in
 //!   part may still go up to the limit: waiting in the engine that skips its prefill is worth
-//!   more to it than the next free slot elsewhere. The fixed delay is read off first bytes
-//!   with little prefill; none is judged late before it is known (or 16 long prompts taught
-//!   the prefill rate). It starts at `initial_limit`;
-//!   an engine's stated capacity (TGI `max_concurrent_requests` through `[engine_metrics]`)
-//!   replaces it. A measured backend is a candidate while one more request in flight stays
-//!   within its limit (a limit of 4.4 admits 4: a fifth would wait inside the replica, out of
-//!   the router queue's order) and its in-flight count is below `ramp_up_factor` × its first
+//!   more to it than the next free slot elsewhere. A ceiling never sends a request to a
+//!   backend in a run of failures (as outlier ejection counts them): when the pick would
+//!   choose one, it is made again among the others, their ceilings waived, and the failing
+//!   backend gets the request only if none has room under its limit. The fixed delay is read
+//!   off first bytes with little prefill; none is judged late before it is known (or 16 long
+//!   prompts taught the prefill rate). It starts at `initial_limit`; an engine's stated
+//!   capacity (TGI `max_concurrent_requests` through `[engine_metrics]`) replaces it. A
+//!   measured backend is a candidate while one more request in flight stays within its limit
+//!   (a limit of 4.4 admits 4: a fifth would wait inside the replica, out of the router
+//!   queue's order) and its in-flight count is below `ramp_up_factor` × its first
 //!   bytes (or completed requests, the larger).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
 //!   work in flight (expected output tokens, weighted by relative cost) than its share plus two
@@ -333,22 +336,35 @@ impl Strategy for QueuedLeastLatency {
                 let fleet = state.fleet;
                 let generation = state.generation;
                 let demand = load::Demand::of(self, request, candidates, generation, &fleet);
-                let found = self.best(candidates, |backend| {
-                    self.load_score(backend, generation, &fleet, &demand)
-                });
+                let pick = |demand: &load::Demand<'_>| {
+                    let found = self.best(candidates, |backend| {
+                        self.load_score(backend, generation, &fleet, demand)
+                    })?;
+                    // A backend in a run of failures (its last answer an error, as the core's
+                    // outlier ejection counts them) is chosen only when no healthy one has
+                    // room under its limit, held ceilings waived.
+                    let failing = |index| {
+                        candidates
+                            .get(index)
+                            .is_some_and(|backend| backend.failures_in_a_row() > 0)
+                    };
+                    if !failing(found) {
+                        return Some(found);
+                    }
+                    let past = demand.past_ceilings();
+                    self.best(candidates, |backend| {
+                        self.load_score(backend, generation, &fleet, &past)
+                    })
+                    .or(Some(found))
+                };
+                let found = pick(&demand);
                 // The guards choose among the backends with room; they never hold a request
                 // back while one has room (the others may be full up to their limits).
                 if found.is_some() || !demand.is_guarded() {
                     return found;
                 }
                 // Then the count guard alone (capacity first), then none.
-                [demand.counted(), demand.unguarded()]
-                    .iter()
-                    .find_map(|demand| {
-                        self.best(candidates, |backend| {
-                            self.load_score(backend, generation, &fleet, demand)
-                        })
-                    })
+                [demand.counted(), demand.unguarded()].iter().find_map(pick)
             }
         }
     }

@@ -310,6 +310,9 @@ pub(super) struct Slot {
     /// First bytes seen (any generation): with the finished requests, what the ramp-up room
     /// counts, so a replica streaming long answers gets room as its first tokens arrive.
     answered: AtomicU64,
+    /// Requests sent past the limit by [`QueuedLeastLatency::overflow`] whose first byte has not
+    /// come yet: a late one of those was expected to wait for a slot.
+    overflowed: AtomicU64,
     /// [`Learned::history`].
     history: Mutex<History>,
 }
@@ -406,6 +409,14 @@ const PREFILL_RATE_UP: f64 = 0.05;
 /// locality it buys is one request's prefill whatever the scale.
 const LOAD_SLACK: f64 = 2.0;
 
+/// How many times faster (in relative cost) a full backend must be than the chosen one for a
+/// request to wait for a slot there ([`QueuedLeastLatency::overflow`]): on equal replicas the
+/// costs differ by noise, never by this much.
+const OVERFLOW_SPEEDUP: f64 = 1.5;
+/// How many times the typical request's output a request must ask for to overflow: a short
+/// answer runs soon enough anywhere.
+const OVERFLOW_LENGTH: f64 = 1.2;
+
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
 /// before the first-byte guard passes it over: the prefills of a step or two are not a queue.
 const AWAITING_SLACK: f64 = 8.0;
@@ -454,6 +465,13 @@ pub(super) struct Demand<'r> {
     /// Whether held ceilings apply ([`Ceiling`]); when they do not, backends in a run of
     /// failures are skipped ([`Self::past_ceilings`]).
     ceilings: bool,
+    /// Seconds a typical backend takes per output token: the fleet's mean latency over the
+    /// typical request's output tokens.
+    token_seconds: f64,
+    /// The lowest relative cost among the candidates, when the request states its output
+    /// (`max_tokens`): what [`QueuedLeastLatency::overflow`] compares with; `None`, no
+    /// overflow.
+    fastest: Option<f64>,
 }
 
 impl<'r> Demand<'r> {
@@ -470,6 +488,7 @@ impl<'r> Demand<'r> {
         let (mut work, mut in_flight, mut speed, mut count) = (0u64, 0usize, 0.0, 0u32);
         let mut queued_prefill = 0u64;
         let mut fewest_awaiting = usize::MAX;
+        let mut fastest = f64::INFINITY;
         for (_, backend) in candidates.iter() {
             let rank = backend.strategy_slot::<Slot>().rank(generation);
             if let Some(ewma) = backend.ewma_latency() {
@@ -481,7 +500,11 @@ impl<'r> Demand<'r> {
             queued_prefill += backend.prefill_in_flight();
             fewest_awaiting = fewest_awaiting.min(backend.awaiting_first_byte());
             in_flight += backend.in_flight();
-            speed += 1.0 / relative_cost(fleet, rank);
+            let relative = relative_cost(fleet, rank);
+            speed += 1.0 / relative;
+            if rank.is_some() {
+                fastest = fastest.min(relative);
+            }
             count += 1;
         }
         let count_f = f64::from(count.max(1));
@@ -526,6 +549,10 @@ impl<'r> Demand<'r> {
             awaiting_bound,
             now: prompt.map(|_| Instant::now()),
             ceilings: true,
+            token_seconds: mean_latency / typical_output,
+            fastest: prompt
+                .and_then(|p| p.max_tokens)
+                .and(fastest.is_finite().then_some(fastest)),
         }
     }
 }
@@ -685,6 +712,87 @@ impl QueuedLeastLatency {
         Some(load + prefill)
     }
 
+    /// A backend past its limit (or ceiling) that is expected to finish the request sooner than
+    /// `chosen`, which has room: on replicas of different speeds, a long answer waits for a
+    /// slot on one several times faster rather than run on a slow one (the tail of
+    /// `hetero-stream` was long answers decoded on the slowest replicas). Only for a request
+    /// that states its output, only on a backend at least [`OVERFLOW_SPEEDUP`] times faster
+    /// than `chosen`, not in a run of failures and with ramp-up room: on equal replicas it
+    /// never applies. The expected end on a backend is its output tokens at the backend's
+    /// speed (relative cost × the fleet's seconds per token) plus the prefill of its uncached
+    /// prompt tokens, and on a full backend the wait for a slot: a typical request's tokens
+    /// over its slots for each request ahead of it inside.
+    pub(super) fn overflow(
+        &self,
+        chosen: &Backend,
+        candidates: Candidates<'_>,
+        generation: u64,
+        fleet: &Fleet,
+        demand: &Demand<'_>,
+    ) -> Option<usize> {
+        let fastest = demand.fastest?;
+        if demand.output < OVERFLOW_LENGTH * demand.typical_output {
+            return None;
+        }
+        let chosen_rank = chosen.strategy_slot::<Slot>().rank(generation)?;
+        let chosen_relative = relative_cost(fleet, Some(chosen_rank));
+        if fastest * OVERFLOW_SPEEDUP > chosen_relative {
+            return None;
+        }
+        let end = |backend: &Backend, rank: Rank, relative: f64, full: bool| {
+            let matched = if demand.prompt_tokens == 0 {
+                0
+            } else {
+                Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
+            };
+            let uncached = demand.prompt_tokens.saturating_sub(matched);
+            // On a full backend, the work it holds shares its slots with this request.
+            let ahead = if full {
+                backend.work_in_flight() as f64 / rank.limit.floor().max(1.0)
+            } else {
+                0.0
+            };
+            relative * demand.token_seconds * (demand.output + ahead)
+                + (backend.prefill_in_flight() + uncached) as f64 * rank.prefill_rate
+        };
+        let mut best = end(chosen, chosen_rank, chosen_relative, false);
+        let mut found = None;
+        for (index, backend) in candidates.iter() {
+            let Some(rank) = backend.strategy_slot::<Slot>().rank(generation) else {
+                continue;
+            };
+            let relative = relative_cost(fleet, Some(rank));
+            let in_flight = backend.in_flight();
+            if relative * OVERFLOW_SPEEDUP > chosen_relative
+                || backend.failures_in_a_row() > 0
+                || backend.engine().max_concurrent().is_some()
+            {
+                continue;
+            }
+            let answered = backend
+                .strategy_slot::<Slot>()
+                .answered
+                .load(Ordering::Relaxed);
+            if !self.ramp_room(answered.max(backend.completed()), in_flight) {
+                continue;
+            }
+            let full = in_flight as f64 + 1.0 > rank.limit;
+            let time = end(backend, rank, relative, full);
+            if time < best {
+                best = time;
+                found = Some((index, backend, full));
+            }
+        }
+        let (index, backend, full) = found?;
+        if full {
+            backend
+                .strategy_slot::<Slot>()
+                .overflowed
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Some(index)
+    }
+
     /// What a pick reads of `backend`'s learned state, if it has any in this generation.
     fn learned_rank(&self, backend: &Backend) -> Option<Rank> {
         let generation = self.load_state().generation;
@@ -762,13 +870,23 @@ impl QueuedLeastLatency {
     /// Folds a stream's first byte into `backend`'s prefill rate, fixed delay and limit.
     pub(super) fn learn_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
         let busy = backend.in_flight() as f64;
-        let _ = backend.strategy_slot::<Slot>().answered.fetch_update(
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-            |n| (n < u64::from(u32::MAX)).then_some(n + 1),
-        );
+        let slot = backend.strategy_slot::<Slot>();
+        let _ = slot
+            .answered
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < u64::from(u32::MAX)).then_some(n + 1)
+            });
+        // A request sent past the limit on purpose ([`Self::overflow`]) was expected to wait
+        // for a slot: however late, its first byte says nothing new about the limit.
+        let expected_wait = self.learned_rank(backend).is_some_and(|rank| {
+            first_byte.in_flight as f64 > rank.limit
+                && slot
+                    .overflowed
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                    .is_ok()
+        });
         self.update(backend, |learned, _| {
-            if first_byte.streamed {
+            if first_byte.streamed && !expected_wait {
                 self.learn_ttfb(learned, first_byte, busy);
             }
         });
@@ -1613,5 +1731,88 @@ mod tests {
             false,
         );
         assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+    }
+
+    /// A chat request asking for `max_tokens` tokens.
+    fn asking(max_tokens: u64) -> RequestInfo {
+        let body = serde_json::json!({
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": max_tokens,
+        });
+        RequestInfo {
+            prompt: Prompt::of_body(body.to_string().as_bytes()).map(Arc::new),
+            ..RequestInfo::default()
+        }
+    }
+
+    /// Two replicas with a limit of 4, having answered three streams each, whose answers took
+    /// `seconds[i]` for 4 KiB; the first is full of 200-token answers.
+    fn first_full(seconds: [f64; 2], ids: [u32; 2]) -> (QueuedLeastLatency, Vec<Arc<Backend>>) {
+        let set = vec![backend(ids[0]), backend(ids[1])];
+        let params = super::super::Params {
+            initial_limit: 4.0,
+            ..super::super::Params::default()
+        };
+        let strategy = QueuedLeastLatency::with(&params, &super::super::StrategyContext::default());
+        for (replica, seconds) in set.iter().zip(seconds) {
+            for _ in 0..3 {
+                strategy.learn_first_byte(replica, &first_byte_on(replica, 0.02, 0, 0));
+                strategy.learn(replica, &streamed(seconds, 0.02));
+            }
+        }
+        let limit = strategy.limit(&set[0]);
+        assert!(limit <= 8.0, "{limit}");
+        decoding(&set[0], limit.floor() as usize, 200);
+        (strategy, set)
+    }
+
+    #[test]
+    fn a_long_answer_waits_for_a_slot_on_a_much_faster_replica() {
+        // A decodes 4 times as fast as B and is full; B is idle.
+        let (strategy, set) = first_full([0.5, 2.0], [60, 61]);
+        // A typical answer (200 tokens) starts at once on B.
+        assert_eq!(strategy.pick(&asking(200), (&set).into()), Some(1));
+        // A 2,000-token answer ends sooner on A after a slot there frees (the 200-token
+        // answers ahead of it) than on B from now: it goes to A, past its limit.
+        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
+        // Not to a replica answering errors.
+        set[0].record_failure_in_a_row();
+        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(1));
+        set[0].reset_failures_in_a_row();
+        // Nor when the request does not say how long its answer is.
+        let unstated = chat_without_max_tokens();
+        assert_eq!(strategy.pick(&unstated, (&set).into()), Some(1));
+    }
+
+    #[test]
+    fn on_replicas_of_one_speed_a_request_never_waits_past_a_limit() {
+        let (strategy, set) = first_full([1.0, 1.1], [62, 63]);
+        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&asking(20_000), (&set).into()), Some(1));
+    }
+
+    fn chat_without_max_tokens() -> RequestInfo {
+        let body = serde_json::json!({
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+        });
+        RequestInfo {
+            prompt: Prompt::of_body(body.to_string().as_bytes()).map(Arc::new),
+            ..RequestInfo::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_first_byte_of_a_request_sent_past_the_limit_does_not_lower_it() {
+        let (strategy, set) = first_full([0.5, 2.0], [64, 65]);
+        let limit = strategy.limit(&set[0]);
+        let over = (limit.floor() as usize) + 1;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // A long answer sent to the full, faster replica waited there for a slot, as expected.
+        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
+        strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
+        assert_eq!(strategy.limit(&set[0]), limit);
+        // The same count and wait without a request sent past the limit lowers it.
+        strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
+        assert!(strategy.limit(&set[0]) < limit);
     }
 }

@@ -357,14 +357,22 @@ impl Strategy for QueuedLeastLatency {
                     })
                     .or(Some(found))
                 };
-                let found = pick(&demand);
                 // The guards choose among the backends with room; they never hold a request
-                // back while one has room (the others may be full up to their limits).
-                if found.is_some() || !demand.is_guarded() {
-                    return found;
-                }
-                // Then the count guard alone (capacity first), then none.
-                [demand.counted(), demand.unguarded()].iter().find_map(pick)
+                // back while one has room (the others may be full up to their limits). Then
+                // the count guard alone (capacity first), then none.
+                let found = match pick(&demand) {
+                    None if demand.is_guarded() => {
+                        [demand.counted(), demand.unguarded()].iter().find_map(pick)
+                    }
+                    found => found,
+                }?;
+                // A much faster backend past its limit may still finish it sooner.
+                candidates
+                    .get(found)
+                    .and_then(|chosen| {
+                        self.overflow(chosen, candidates, generation, &fleet, &demand)
+                    })
+                    .or(Some(found))
             }
         }
     }

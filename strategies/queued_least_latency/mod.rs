@@ -70,6 +70,12 @@
 //!   backend's index holds) once for itself and once for each request in flight there, whose
 //!   decode steps its prefill stalls, plus the engine's own waiting requests when engine
 //!   metrics are on. See `docs/strategies.md` for a worked example.
+//! - *Overflow*: after the pick, a request that states `max_tokens` of at least 1.2 × the
+//!   typical output may go to a backend at least 1.5 × faster (relative cost) than the chosen
+//!   one, even at its limit, when its expected end there is sooner: output tokens at that
+//!   backend's speed, plus its queued and uncached prefill, plus on a full backend the work
+//!   ahead per slot. Never a backend in a run of failures, without ramp-up room or with an
+//!   engine-stated capacity; the late first byte of such a request does not lower the limit.
 //!
 //! When every replica is at its limit, requests wait in the router queue instead of in a
 //! replica's own queue, so a replica added during a burst takes the waiting requests at once.

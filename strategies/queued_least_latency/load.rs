@@ -862,6 +862,17 @@ impl QueuedLeastLatency {
 
     /// Folds `outcome` into what is learned about `backend` and into the fleet's sums.
     pub(super) fn learn(&self, backend: &Backend, outcome: &Outcome) {
+        // Requests sent past the limit that ended without a first byte are not waiting any
+        // more: the count never exceeds the requests still waiting for one (this one, when its
+        // first byte never came, is counted there until its lease is released).
+        let waiting = backend
+            .awaiting_first_byte()
+            .saturating_sub(usize::from(outcome.first_byte.is_none())) as u64;
+        let _ = backend.strategy_slot::<Slot>().overflowed.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |n| (n > waiting).then_some(waiting),
+        );
         self.update(backend, |learned, fleet| {
             self.learn_into(learned, fleet, outcome);
         });
@@ -1812,6 +1823,36 @@ mod tests {
         strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
         assert_eq!(strategy.limit(&set[0]), limit);
         // The same count and wait without a request sent past the limit lowers it.
+        strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
+        assert!(strategy.limit(&set[0]) < limit);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_sent_past_the_limit_that_ends_without_a_first_byte_is_not_waited_for() {
+        let (strategy, set) = first_full([0.5, 2.0], [66, 67]);
+        let limit = strategy.limit(&set[0]);
+        let over = (limit.floor() as usize) + 1;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
+        // Sent there, it failed before its first byte (the connection was reset).
+        let work = crate::backend::InFlightWork {
+            prefill: 0,
+            output: 2_000,
+        };
+        set[0].acquire_work(&work);
+        strategy.learn(
+            &set[0],
+            &Outcome {
+                latency: 0.01,
+                failed: true,
+                first_byte: None,
+                bytes: 0,
+                streamed: false,
+            },
+        );
+        set[0].release_work(&work, true);
+        let limit = strategy.limit(&set[0]);
+        // Nothing sent past the limit is waiting: a late first byte there lowers it.
         strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
         assert!(strategy.limit(&set[0]) < limit);
     }

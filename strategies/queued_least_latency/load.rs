@@ -1812,14 +1812,23 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_late_first_byte_of_a_request_sent_past_the_limit_does_not_lower_it() {
-        let (strategy, set) = first_full([0.5, 2.0], [64, 65]);
+    /// [`first_full`] a second later, a 2,000-token answer sent past the limit of the full,
+    /// faster replica; with the limit and the count one past it.
+    async fn sent_past_the_limit(
+        ids: [u32; 2],
+    ) -> (QueuedLeastLatency, Vec<Arc<Backend>>, f64, usize) {
+        let (strategy, set) = first_full([0.5, 2.0], ids);
         let limit = strategy.limit(&set[0]);
         let over = (limit.floor() as usize) + 1;
         tokio::time::advance(Duration::from_secs(1)).await;
-        // A long answer sent to the full, faster replica waited there for a slot, as expected.
         assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
+        (strategy, set, limit, over)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_first_byte_of_a_request_sent_past_the_limit_does_not_lower_it() {
+        let (strategy, set, limit, over) = sent_past_the_limit([64, 65]).await;
+        // The long answer waited there for a slot, as expected.
         strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
         assert_eq!(strategy.limit(&set[0]), limit);
         // The same count and wait without a request sent past the limit lowers it.
@@ -1829,11 +1838,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_request_sent_past_the_limit_that_ends_without_a_first_byte_is_not_waited_for() {
-        let (strategy, set) = first_full([0.5, 2.0], [66, 67]);
-        let limit = strategy.limit(&set[0]);
-        let over = (limit.floor() as usize) + 1;
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
+        let (strategy, set, _, over) = sent_past_the_limit([66, 67]).await;
         // Sent there, it failed before its first byte (the connection was reset).
         let work = crate::backend::InFlightWork {
             prefill: 0,
@@ -1843,11 +1848,10 @@ mod tests {
         strategy.learn(
             &set[0],
             &Outcome {
-                latency: 0.01,
                 failed: true,
                 first_byte: None,
                 bytes: 0,
-                streamed: false,
+                ..streamed(0.01, 0.0)
             },
         );
         set[0].release_work(&work, true);

@@ -401,13 +401,21 @@ const PREFILL_SAMPLES_TO_JUDGE: u32 = 16;
 const PREFILL_RATE_DOWN: f64 = 0.3;
 const PREFILL_RATE_UP: f64 = 0.05;
 
-/// Typical requests (of work, and in count) a candidate holding part of the prompt may hold
-/// above its share (the load guard), and at most as many again for `load_bound`'s multiple of
-/// the share: with few requests per replica a multiple alone would leave no room for locality
-/// (1.1 × 4 requests is 4.4), with hundreds it would let one engine take tens more than its
-/// share (1.1 × 250 is 275) while its capacity, in sequences and KV cache, is absolute: the
-/// locality it buys is one request's prefill whatever the scale.
+/// Requests a candidate may hold above its equal share of those in flight (the count guard),
+/// and at most as many again for `load_bound`'s multiple of the share, when it holds none of
+/// the request's prompt ([`LOCALITY_SLACK`] when it does): with few requests per replica a
+/// multiple alone would leave no room for locality (1.1 × 4 requests is 4.4), with hundreds
+/// it would let one engine take tens more than its share (1.1 × 250 is 275) while its
+/// capacity, in sequences and KV cache, is absolute: the locality it buys is one request's
+/// prefill whatever the scale.
 const LOAD_SLACK: f64 = 2.0;
+/// Typical requests' work (the load guard) and requests (the count guard) a candidate holding
+/// part of the prompt may hold above its share, and at most as many again for `load_bound`'s
+/// multiple: one more than [`LOAD_SLACK`], the room of the others. With two, a tenant's home
+/// replica pushed past the guard spills its requests to replicas that must prefill its system
+/// prompt, which then draw more of them (`prefix`, in turn: cache hits 78-91 % with two,
+/// 88-93 % with three; p50 and p99 lower).
+const LOCALITY_SLACK: f64 = 3.0;
 
 /// How many times faster (in relative cost) a full backend must be than the chosen one for a
 /// request to wait for a slot there ([`QueuedLeastLatency::overflow`]): on equal replicas the
@@ -437,17 +445,20 @@ pub(super) struct Demand<'r> {
     typical_output: f64,
     /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
     /// relative cost, a candidate may already hold: its share of the work in flight with this
-    /// request added, plus [`LOAD_SLACK`] typical requests, plus `load_bound`'s multiple of the
-    /// share above it up to as many again ([`guard_bound`]; the least loaded candidate is
+    /// request added, plus [`LOCALITY_SLACK`] typical requests, plus `load_bound`'s multiple of
+    /// the share above it up to as many again ([`guard_bound`]; the least loaded candidate is
     /// always within it). It applies to backends that hold part of the prompt: locality is what
     /// could pile up.
     bound: Option<f64>,
-    /// The load guard's count of requests: how many requests a candidate holding part of the
-    /// prompt may already hold, its equal share of those in flight with this one added, plus
-    /// the same slack ([`guard_bound`]). Work weighs a request by its answer's length, but an
-    /// engine fills up by sequences and KV cache: many short answers past its share overflow
-    /// it as surely as a few long ones.
+    /// The count guard: how many requests a candidate holding none of the prompt may already
+    /// hold, its equal share of those in flight with this one added, plus [`LOAD_SLACK`]
+    /// requests ([`guard_bound`]). Work weighs a request by its answer's length, but an engine
+    /// fills up by sequences and KV cache: many short answers past its share overflow it as
+    /// surely as a few long ones.
     count_bound: Option<f64>,
+    /// The count guard for a candidate holding part of the prompt: the same share plus
+    /// [`LOCALITY_SLACK`] requests, the load guard's room.
+    cached_count_bound: Option<f64>,
     /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
     /// already wait for their first byte on a candidate: `load_bound` times the mean over the
     /// candidates with this request's prompt added, or this request's prompt tokens if more
@@ -525,11 +536,14 @@ impl<'r> Demand<'r> {
             guard_bound(
                 strategy.load_bound,
                 (work as f64 + output) / speed.max(f64::MIN_POSITIVE),
-                typical_output,
+                LOCALITY_SLACK * typical_output,
             )
         });
-        let count_bound = guarded
-            .then(|| guard_bound(strategy.load_bound, (in_flight + 1) as f64 / count_f, 1.0));
+        let count_share = (in_flight + 1) as f64 / count_f;
+        let count_bound =
+            guarded.then(|| guard_bound(strategy.load_bound, count_share, LOAD_SLACK));
+        let cached_count_bound =
+            guarded.then(|| guard_bound(strategy.load_bound, count_share, LOCALITY_SLACK));
         let prompt_tokens = request.prompt_tokens() as f64;
         let prefill_bound = guarded.then(|| {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
@@ -545,6 +559,7 @@ impl<'r> Demand<'r> {
             typical_output,
             bound,
             count_bound,
+            cached_count_bound,
             prefill_bound,
             awaiting_bound,
             now: prompt.map(|_| Instant::now()),
@@ -593,6 +608,7 @@ impl Demand<'_> {
         Self {
             bound: None,
             count_bound: None,
+            cached_count_bound: None,
             prefill_bound: None,
             awaiting_bound: None,
             ..*self
@@ -600,11 +616,9 @@ impl Demand<'_> {
     }
 }
 
-/// The load guard's bound for a `share` of the load counted in units of `typical` requests:
-/// the share plus [`LOAD_SLACK`] typical requests, plus `load_bound`'s multiple of the share
-/// above it up to as many again.
-fn guard_bound(load_bound: f64, share: f64, typical: f64) -> f64 {
-    let slack = LOAD_SLACK * typical;
+/// A guard's bound for a `share` of the load: the share plus `slack`, plus `load_bound`'s
+/// multiple of the share above it up to as many again.
+fn guard_bound(load_bound: f64, share: f64, slack: f64) -> f64 {
     share + slack + ((load_bound - 1.0) * share).min(slack)
 }
 
@@ -674,10 +688,12 @@ impl QueuedLeastLatency {
         if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
             return None;
         }
-        if demand
-            .count_bound
-            .is_some_and(|bound| in_flight as f64 > bound)
-        {
+        let count_bound = if matched > 0 {
+            demand.cached_count_bound
+        } else {
+            demand.count_bound
+        };
+        if count_bound.is_some_and(|bound| in_flight as f64 > bound) {
             return None;
         }
         let queued_prefill = backend.prefill_in_flight();
@@ -1585,9 +1601,9 @@ mod tests {
         working(&set[0], 3, 200);
         working(&set[1], 2, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        // Past 1.1 × its share of the work in flight plus two typical requests (9 against 2:
-        // 1.1 × 12 / 2 + 2 = 8.6 requests' work), it is skipped however long the prefix.
-        working(&set[0], 6, 200);
+        // Past 1.1 × its share of the work in flight plus three typical requests (11 against
+        // 2: 1.1 × 14 / 2 + 3 = 10.7 requests' work), it is skipped however long the prefix.
+        working(&set[0], 8, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
         // A request whose prompt no replica holds is not held back by the guard: it goes to the
         // cheapest, here the less loaded.
@@ -1609,19 +1625,22 @@ mod tests {
             }
         }
         let request = tenant_chat_cached_on(&set[0], "three");
-        // Few in flight: 4 against 2 is within the share (3.5) + 2 + 0.1 × the share (a
-        // multiple alone, 1.1 × 3.5 = 3.85, would leave no room for the cached prefix).
+        // Few in flight: 4 against 2 is within the share (3.5) + 3 + 0.1 × the share, in
+        // requests and in work (a multiple alone, 1.1 × 3.5 = 3.85, would leave no room for
+        // the cached prefix).
         decoding(&set[0], 4, 200);
         decoding(&set[1], 2, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        // Hundreds in flight: 256 against 248 is within the share (252.5) + 2 + 2 (the
-        // multiple's part is capped at two requests); 258 against 246 is not. A multiple of
-        // 1.1 would let the cached engine hold 277, 30 more than its peer: past its capacity
-        // when the fleet is nearly full (engines of 256 sequences).
-        decoding(&set[0], 252, 200);
+        // Hundreds in flight: 258 against 248 is within the share (253.5) + 3 + 3 (the
+        // multiple's part is capped at three requests, in count and in work, for the replica
+        // holding the prompt; a replica holding none of it has two and two, 257.5); 262
+        // against 248 is not. A multiple of 1.1 would let the cached engine hold 277, 30 more
+        // than its peer: past its capacity when the fleet is nearly full (engines of 256
+        // sequences).
+        decoding(&set[0], 254, 200);
         decoding(&set[1], 246, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        decoding(&set[0], 2, 200);
+        decoding(&set[0], 4, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
     }
 
@@ -1655,8 +1674,8 @@ mod tests {
     #[test]
     fn when_the_guards_disagree_the_count_guard_is_kept() {
         // Both replicas hold the tenant's prompt. A: 10 long answers (10,000 tokens of work,
-        // past the load guard's 7,900); B: 30 short ones (3,000 tokens, but 30 requests, past
-        // the count guard's 24.5). No backend is within every guard: capacity comes first,
+        // past the load guard's 8,300); B: 30 short ones (3,000 tokens, but 30 requests, past
+        // the count guard's 25.55). No backend is within every guard: capacity comes first,
         // and the request goes to A, where an engine has sequences to spare, not to B, whose
         // lighter work would win the score.
         let set = vec![backend(16), backend(17)];
@@ -1668,7 +1687,8 @@ mod tests {
         decoding(&set[0], 10, 1_000);
         decoding(&set[1], 30, 100);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
-        // With 16 (within the count guard's 16.85), B is within every guard and wins.
+        // With 16 (within the count guard's 17.85 for a replica holding the prompt), B is
+        // within every guard and wins.
         for _ in 0..14 {
             set[1].release_work(
                 &crate::backend::InFlightWork {

@@ -450,15 +450,13 @@ pub(super) struct Demand<'r> {
     /// always within it). It applies to backends that hold part of the prompt: locality is what
     /// could pile up.
     bound: Option<f64>,
-    /// The count guard: how many requests a candidate holding none of the prompt may already
-    /// hold, its equal share of those in flight with this one added, plus [`LOAD_SLACK`]
-    /// requests ([`guard_bound`]). Work weighs a request by its answer's length, but an engine
-    /// fills up by sequences and KV cache: many short answers past its share overflow it as
-    /// surely as a few long ones.
-    count_bound: Option<f64>,
-    /// The count guard for a candidate holding part of the prompt: the same share plus
-    /// [`LOCALITY_SLACK`] requests, the load guard's room.
-    cached_count_bound: Option<f64>,
+    /// The count guard's share: a candidate's equal share of the requests in flight with this
+    /// one added. A candidate may already hold that many plus [`LOAD_SLACK`] requests, or
+    /// [`LOCALITY_SLACK`] when it holds part of the prompt, the load guard's room
+    /// ([`guard_bound`]). Work weighs a request by its answer's length, but an engine fills up
+    /// by sequences and KV cache: many short answers past its share overflow it as surely as a
+    /// few long ones.
+    count_share: Option<f64>,
     /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
     /// already wait for their first byte on a candidate: `load_bound` times the mean over the
     /// candidates with this request's prompt added, or this request's prompt tokens if more
@@ -539,11 +537,7 @@ impl<'r> Demand<'r> {
                 LOCALITY_SLACK * typical_output,
             )
         });
-        let count_share = (in_flight + 1) as f64 / count_f;
-        let count_bound =
-            guarded.then(|| guard_bound(strategy.load_bound, count_share, LOAD_SLACK));
-        let cached_count_bound =
-            guarded.then(|| guard_bound(strategy.load_bound, count_share, LOCALITY_SLACK));
+        let count_share = guarded.then(|| (in_flight + 1) as f64 / count_f);
         let prompt_tokens = request.prompt_tokens() as f64;
         let prefill_bound = guarded.then(|| {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
@@ -558,8 +552,7 @@ impl<'r> Demand<'r> {
             unit: mean_latency / (limits / count_f).max(1.0),
             typical_output,
             bound,
-            count_bound,
-            cached_count_bound,
+            count_share,
             prefill_bound,
             awaiting_bound,
             now: prompt.map(|_| Instant::now()),
@@ -607,8 +600,7 @@ impl Demand<'_> {
     pub(super) fn unguarded(&self) -> Self {
         Self {
             bound: None,
-            count_bound: None,
-            cached_count_bound: None,
+            count_share: None,
             prefill_bound: None,
             awaiting_bound: None,
             ..*self
@@ -688,12 +680,14 @@ impl QueuedLeastLatency {
         if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
             return None;
         }
-        let count_bound = if matched > 0 {
-            demand.cached_count_bound
+        let count_slack = if matched > 0 {
+            LOCALITY_SLACK
         } else {
-            demand.count_bound
+            LOAD_SLACK
         };
-        if count_bound.is_some_and(|bound| in_flight as f64 > bound) {
+        if demand.count_share.is_some_and(|share| {
+            in_flight as f64 > guard_bound(self.load_bound, share, count_slack)
+        }) {
             return None;
         }
         let queued_prefill = backend.prefill_in_flight();

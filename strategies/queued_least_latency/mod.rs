@@ -56,10 +56,9 @@
 //!   typical requests' work, plus `load_bound` - 1 times the share up to three more, is skipped;
 //!   so is any backend holding more requests than its equal share of those in flight plus two
 //!   (three if it holds part of the prompt), plus `load_bound` - 1 times the share up to as
-//!   many more (the count guard: an engine fills up
-//!   by sequences and KV cache, and hundreds of sequences leave it no room for tens above its
-//!   share); so is a backend
-//!   whose queued prefill (uncached prompt tokens waiting for their first byte) is above
+//!   many more (the count guard: an engine fills up by sequences and KV cache, and hundreds of
+//!   sequences leave it no room for tens above its share); so is a backend whose queued
+//!   prefill (uncached prompt tokens waiting for their first byte) is above
 //!   `load_bound` × the candidates' mean with this prompt added, or above this prompt's tokens
 //!   if more (the prefill guard); so is a backend holding more requests without a first byte
 //!   than `load_bound` × the fewest any candidate holds + 8 (the first-byte guard: its engine

@@ -289,6 +289,7 @@ impl Balancer {
     /// declines this pick, in which case the strategy chooses among the others.
     fn pick(&self, info: &RequestInfo, candidates: Candidates<'_>) -> Option<Arc<Backend>> {
         let strategy = self.strategy.load();
+        info.clear_past_limit();
         let index = strategy.pick(info, candidates)?;
         debug_assert!(
             candidates.get(index).is_some(),
@@ -296,6 +297,7 @@ impl Balancer {
         );
         let chosen = &candidates.all()[index];
         if candidates.iter().any(|(other, _)| other != index) && !self.ramp_admits(chosen) {
+            info.clear_past_limit();
             if let Some(other) = strategy.pick(info, candidates.declining(chosen)) {
                 return Some(Arc::clone(&candidates.all()[other]));
             }
@@ -320,6 +322,7 @@ impl Balancer {
             } else {
                 None
             },
+            ..RequestInfo::default()
         }
     }
 
@@ -795,6 +798,8 @@ pub struct Lease {
     queued_tokens: u64,
     /// The backend's requests in flight when it was dispatched, this one included.
     in_flight: usize,
+    /// Whether the pick sent it past the strategy's limit ([`RequestInfo::send_past_limit`]).
+    past_limit: bool,
 }
 
 impl std::fmt::Debug for Lease {
@@ -828,6 +833,7 @@ impl Lease {
             work,
             queued_tokens,
             in_flight,
+            past_limit: info.sent_past_limit(),
         }
     }
 
@@ -872,6 +878,7 @@ impl Lease {
                     queued_tokens: self.queued_tokens,
                     in_flight: self.in_flight,
                     dispatched_at: self.dispatched_at,
+                    past_limit: self.past_limit,
                 },
             );
             // A stream's first byte can raise the backend's limit and ends its share of queued
@@ -1060,5 +1067,50 @@ mod tests {
             .unwrap();
         assert_eq!(balancer.queue_depth(), 0);
         drop((first, second));
+    }
+
+    /// Takes every request on the first backend, noting those sent while it already holds one
+    /// as past its limit; keeps what each first byte said of it.
+    #[derive(Default)]
+    struct OneThenPast {
+        past_limit: std::sync::Mutex<Vec<bool>>,
+    }
+
+    impl Strategy for OneThenPast {
+        fn name(&self) -> &'static str {
+            "one-then-past"
+        }
+
+        fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+            let (index, backend) = candidates.iter().next()?;
+            if backend.in_flight() >= 1 {
+                request.send_past_limit();
+            }
+            Some(index)
+        }
+
+        fn on_first_byte(&self, _backend: &Backend, first_byte: &FirstByte) {
+            self.past_limit.lock().unwrap().push(first_byte.past_limit);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_byte_says_whether_its_own_pick_sent_it_past_the_limit() {
+        let strategy = Arc::new(OneThenPast::default());
+        let balancer = Balancer::new(Tuning::default(), strategy.clone()).unwrap();
+        balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
+        let mut first = balancer.admit(RequestInfo::default()).await.unwrap();
+        let noted = RequestInfo::default();
+        let mut second = balancer.admit(noted.clone()).await.unwrap();
+        // The second's first byte comes first: each carries its own pick's note.
+        second.mark_first_byte();
+        first.mark_first_byte();
+        assert_eq!(*strategy.past_limit.lock().unwrap(), [true, false]);
+        drop((first, second));
+        // A request once noted is picked afresh: the note is cleared before each pick.
+        noted.send_past_limit();
+        let mut again = balancer.admit(noted).await.unwrap();
+        again.mark_first_byte();
+        assert_eq!(*strategy.past_limit.lock().unwrap(), [true, false, false]);
     }
 }

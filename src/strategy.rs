@@ -8,7 +8,7 @@
 use std::cell::OnceCell;
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use figment::value::Value;
@@ -28,6 +28,8 @@ pub struct RequestInfo {
     /// The prompt of an LLM request, when the strategy reads prompts
     /// ([`Strategy::reads_prompts`]) and the body is one the core understands.
     pub prompt: Option<Arc<Prompt>>,
+    /// Set by the last [`Strategy::pick`] for this request ([`Self::send_past_limit`]).
+    pub past_limit: PastLimit,
 }
 
 impl Default for RequestInfo {
@@ -36,11 +38,41 @@ impl Default for RequestInfo {
             method: Method::GET,
             key: None,
             prompt: None,
+            past_limit: PastLimit::default(),
         }
     }
 }
 
+/// Whether a pick sent its request past the strategy's own limit (an atomic, so that a
+/// request waiting in the queue can be picked for from any thread; a copy keeps the value).
+#[derive(Debug, Default)]
+pub struct PastLimit(AtomicBool);
+
+impl Clone for PastLimit {
+    fn clone(&self) -> Self {
+        Self(AtomicBool::new(self.0.load(Ordering::Relaxed)))
+    }
+}
+
 impl RequestInfo {
+    /// Notes, from [`Strategy::pick`], that the backend it returns is past the strategy's own
+    /// concurrency limit on purpose (the request is expected to wait there for a slot). The core
+    /// carries the note to the request's [`FirstByte::past_limit`]; it clears it before every
+    /// pick, so it holds for the backend of the pick that set it and no other.
+    pub fn send_past_limit(&self) {
+        self.past_limit.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the last pick for this request set [`Self::send_past_limit`].
+    pub fn sent_past_limit(&self) -> bool {
+        self.past_limit.0.load(Ordering::Relaxed)
+    }
+
+    /// Clears [`Self::send_past_limit`] (the core, before each pick).
+    pub(crate) fn clear_past_limit(&self) {
+        self.past_limit.0.store(false, Ordering::Relaxed);
+    }
+
     /// Output tokens the request is expected to generate: what it asks for (`max_tokens`,
     /// `max_new_tokens`), else [`DEFAULT_OUTPUT_TOKENS`]. The core counts this as the request's
     /// work while it is in flight ([`Backend::work_in_flight`]).
@@ -396,6 +428,9 @@ pub struct FirstByte {
     /// When the request was dispatched: a strategy that reacts to a late first byte can tell
     /// whether the request was sent before or after its last reaction.
     pub dispatched_at: tokio::time::Instant,
+    /// Whether the pick that sent it noted it as past the strategy's limit
+    /// ([`RequestInfo::send_past_limit`]): its first byte was expected to wait for a slot.
+    pub past_limit: bool,
 }
 
 /// A routing strategy. See the module docs for the contract.

@@ -310,9 +310,6 @@ pub(super) struct Slot {
     /// First bytes seen (any generation): with the finished requests, what the ramp-up room
     /// counts, so a replica streaming long answers gets room as its first tokens arrive.
     answered: AtomicU64,
-    /// Requests sent past the limit by [`QueuedLeastLatency::overflow`] whose first byte has not
-    /// come yet: a late one of those was expected to wait for a slot.
-    overflowed: AtomicU64,
     /// [`Learned::history`].
     history: Mutex<History>,
 }
@@ -731,7 +728,9 @@ impl QueuedLeastLatency {
     /// never applies. The expected end on a backend is its output tokens at the backend's
     /// speed (relative cost × the fleet's seconds per token) plus the prefill of its uncached
     /// prompt tokens, and on a full backend the wait for a slot: a typical request's tokens
-    /// over its slots for each request ahead of it inside.
+    /// over its slots for each request ahead of it inside. Returns the backend's index and
+    /// whether it is past its limit (the request is then noted as sent past it,
+    /// [`RequestInfo::send_past_limit`]).
     pub(super) fn overflow(
         &self,
         chosen: &Backend,
@@ -739,7 +738,7 @@ impl QueuedLeastLatency {
         generation: u64,
         fleet: &Fleet,
         demand: &Demand<'_>,
-    ) -> Option<usize> {
+    ) -> Option<(usize, bool)> {
         let fastest = demand.fastest?;
         if demand.output < OVERFLOW_LENGTH * demand.typical_output {
             return None;
@@ -793,14 +792,8 @@ impl QueuedLeastLatency {
                 found = Some((index, backend, full));
             }
         }
-        let (index, backend, full) = found?;
-        if full {
-            backend
-                .strategy_slot::<Slot>()
-                .overflowed
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        Some(index)
+        let (index, _, full) = found?;
+        Some((index, full))
     }
 
     /// What a pick reads of `backend`'s learned state, if it has any in this generation.
@@ -872,17 +865,6 @@ impl QueuedLeastLatency {
 
     /// Folds `outcome` into what is learned about `backend` and into the fleet's sums.
     pub(super) fn learn(&self, backend: &Backend, outcome: &Outcome) {
-        // Requests sent past the limit that ended without a first byte are not waiting any
-        // more: the count never exceeds the requests still waiting for one (this one, when its
-        // first byte never came, is counted there until its lease is released).
-        let waiting = backend
-            .awaiting_first_byte()
-            .saturating_sub(usize::from(outcome.first_byte.is_none())) as u64;
-        let _ = backend.strategy_slot::<Slot>().overflowed.fetch_update(
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-            |n| (n > waiting).then_some(waiting),
-        );
         self.update(backend, |learned, fleet| {
             self.learn_into(learned, fleet, outcome);
         });
@@ -899,15 +881,8 @@ impl QueuedLeastLatency {
             });
         // A request sent past the limit on purpose ([`Self::overflow`]) was expected to wait
         // for a slot: however late, its first byte says nothing new about the limit.
-        let expected_wait = self.learned_rank(backend).is_some_and(|rank| {
-            first_byte.in_flight as f64 > rank.limit
-                && slot
-                    .overflowed
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                    .is_ok()
-        });
         self.update(backend, |learned, _| {
-            if first_byte.streamed && !expected_wait {
+            if first_byte.streamed && !first_byte.past_limit {
                 self.learn_ttfb(learned, first_byte, busy);
             }
         });
@@ -1185,6 +1160,7 @@ mod tests {
             uncached_tokens,
             queued_tokens,
             dispatched_at: Instant::now(),
+            past_limit: false,
         }
     }
 
@@ -1826,52 +1802,34 @@ mod tests {
         }
     }
 
-    /// [`first_full`] a second later, a 2,000-token answer sent past the limit of the full,
-    /// faster replica; with the limit and the count one past it.
-    async fn sent_past_the_limit(
-        ids: [u32; 2],
-    ) -> (QueuedLeastLatency, Vec<Arc<Backend>>, f64, usize) {
-        let (strategy, set) = first_full([0.5, 2.0], ids);
+    #[tokio::test(start_paused = true)]
+    async fn a_late_first_byte_of_a_request_sent_past_the_limit_does_not_lower_it() {
+        let (strategy, set) = first_full([0.5, 2.0], [64, 65]);
         let limit = strategy.limit(&set[0]);
         let over = (limit.floor() as usize) + 1;
         tokio::time::advance(Duration::from_secs(1)).await;
-        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
-        (strategy, set, limit, over)
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_late_first_byte_of_a_request_sent_past_the_limit_does_not_lower_it() {
-        let (strategy, set, limit, over) = sent_past_the_limit([64, 65]).await;
-        // The long answer waited there for a slot, as expected.
-        strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
-        assert_eq!(strategy.limit(&set[0]), limit);
-        // The same count and wait without a request sent past the limit lowers it.
-        strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
-        assert!(strategy.limit(&set[0]) < limit);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_request_sent_past_the_limit_that_ends_without_a_first_byte_is_not_waited_for() {
-        let (strategy, set, _, over) = sent_past_the_limit([66, 67]).await;
-        // Sent there, it failed before its first byte (the connection was reset).
-        let work = crate::backend::InFlightWork {
-            prefill: 0,
-            output: 2_000,
+        // A 2,000-token answer goes to the full, faster replica, noted as past its limit.
+        let long = asking(2_000);
+        assert_eq!(strategy.pick(&long, (&set).into()), Some(0));
+        assert!(long.sent_past_limit());
+        // It waited there for a slot, as expected.
+        let expected = FirstByte {
+            past_limit: true,
+            ..sent_with(over, 0.5)
         };
-        set[0].acquire_work(&work);
-        strategy.learn(
-            &set[0],
-            &Outcome {
-                failed: true,
-                first_byte: None,
-                bytes: 0,
-                ..streamed(0.01, 0.0)
-            },
-        );
-        set[0].release_work(&work, true);
-        let limit = strategy.limit(&set[0]);
-        // Nothing sent past the limit is waiting: a late first byte there lowers it.
+        strategy.learn_first_byte(&set[0], &expected);
+        assert_eq!(strategy.limit(&set[0]), limit);
+        // The same count and wait of a request the pick did not note lowers it, whatever else
+        // was sent past the limit before.
         strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
         assert!(strategy.limit(&set[0]) < limit);
+    }
+
+    #[test]
+    fn a_request_sent_within_the_limit_is_not_noted_past_it() {
+        let (strategy, set) = first_full([1.0, 1.1], [66, 67]);
+        let long = asking(2_000);
+        assert_eq!(strategy.pick(&long, (&set).into()), Some(1));
+        assert!(!long.sent_past_limit());
     }
 }

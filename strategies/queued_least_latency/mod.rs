@@ -374,12 +374,15 @@ impl Strategy for QueuedLeastLatency {
                     found => found,
                 }?;
                 // A much faster backend past its limit may still finish it sooner.
-                candidates
-                    .get(found)
-                    .and_then(|chosen| {
-                        self.overflow(chosen, candidates, generation, &fleet, &demand)
-                    })
-                    .or(Some(found))
+                let Some((index, past_limit)) = candidates.get(found).and_then(|chosen| {
+                    self.overflow(chosen, candidates, generation, &fleet, &demand)
+                }) else {
+                    return Some(found);
+                };
+                if past_limit {
+                    request.send_past_limit();
+                }
+                Some(index)
             }
         }
     }

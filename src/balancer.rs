@@ -297,9 +297,15 @@ impl Balancer {
         );
         let chosen = &candidates.all()[index];
         if candidates.iter().any(|(other, _)| other != index) && !self.ramp_admits(chosen) {
+            let noted = info.sent_past_limit();
             info.clear_past_limit();
             if let Some(other) = strategy.pick(info, candidates.declining(chosen)) {
                 return Some(Arc::clone(&candidates.all()[other]));
+            }
+            // The first choice stands, and with it its pick's note.
+            info.clear_past_limit();
+            if noted {
+                info.send_past_limit();
             }
         }
         Some(Arc::clone(chosen))
@@ -1112,5 +1118,46 @@ mod tests {
         let mut again = balancer.admit(noted).await.unwrap();
         again.mark_first_byte();
         assert_eq!(*strategy.past_limit.lock().unwrap(), [true, false, false]);
+    }
+
+    /// Takes only the first backend, always noting the request as past its limit.
+    #[derive(Default)]
+    struct FirstPast {
+        past_limit: std::sync::Mutex<Vec<bool>>,
+    }
+
+    impl Strategy for FirstPast {
+        fn name(&self) -> &'static str {
+            "first-past"
+        }
+
+        fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+            let (index, _) = candidates.iter().next().filter(|(index, _)| *index == 0)?;
+            request.send_past_limit();
+            Some(index)
+        }
+
+        fn on_first_byte(&self, _backend: &Backend, first_byte: &FirstByte) {
+            self.past_limit.lock().unwrap().push(first_byte.past_limit);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_choice_kept_after_the_ramp_declined_it_keeps_its_note() {
+        // Both backends are new: the slow-start ramp declines nine picks in ten. The strategy
+        // has nothing else to offer, so its first choice stands, noted as it was.
+        let mut tuning = Tuning::default();
+        tuning.availability.slow_start = Some(Duration::from_secs(3600));
+        let strategy = Arc::new(FirstPast::default());
+        let balancer = Balancer::new(tuning, strategy.clone()).unwrap();
+        balancer.set_backends(vec![
+            "127.0.0.1:9".parse().unwrap(),
+            "127.0.0.1:10".parse().unwrap(),
+        ]);
+        for _ in 0..40 {
+            let mut lease = balancer.admit(RequestInfo::default()).await.unwrap();
+            lease.mark_first_byte();
+        }
+        assert_eq!(*strategy.past_limit.lock().unwrap(), [true; 40]);
     }
 }

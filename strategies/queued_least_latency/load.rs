@@ -789,11 +789,10 @@ impl QueuedLeastLatency {
             let time = end(backend, rank, relative, full);
             if time < best {
                 best = time;
-                found = Some((index, backend, full));
+                found = Some((index, full));
             }
         }
-        let (index, _, full) = found?;
-        Some((index, full))
+        found
     }
 
     /// What a pick reads of `backend`'s learned state, if it has any in this generation.

@@ -248,6 +248,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "seconds a client may leave its request body without sending a byte (then 408)",
     },
     EnvVar {
+        name: "CUSTOM_ROUTER_SEND_TIMEOUT",
+        key: "limits.send_timeout",
+        help: "seconds a client may leave the response unread before its connection is closed",
+    },
+    EnvVar {
         name: "CUSTOM_ROUTER_MAX_HEADER_BYTES",
         key: "limits.max_header_bytes",
         help: "largest request header section accepted, in bytes",

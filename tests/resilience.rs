@@ -378,6 +378,47 @@ async fn a_slow_header_client_loses_its_slot_at_the_header_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_timeout() {
+    // The backend streams for as long as anyone takes its bytes.
+    let backend = spawn_backend(|_request| async move {
+        let (sender, body) = channel_body();
+        tokio::spawn(async move {
+            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+            while sender.send(chunk.clone()).await.is_ok() {}
+        });
+        http::Response::new(body)
+    })
+    .await;
+    let mut config = with_strategy("round-robin");
+    config.limits.send_timeout = Duration::from_millis(500);
+    let router = start_router(config).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let in_flight = format!(
+        "custom_router_backend_inflight_requests{{addr=\"{}\"}}",
+        backend.host_port()
+    );
+    // The client asks, reads the head, then reads nothing more while the answer keeps coming.
+    let mut stalled = TcpStream::connect(router.addr).await.unwrap();
+    stalled
+        .write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    stalled.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    assert_eq!(metric(&router, &in_flight).await, 1.0);
+    let released = eventually(Duration::from_secs(5), async || {
+        metric(&router, &in_flight).await == 0.0
+    })
+    .await;
+    assert!(released, "the stalled answer still holds its backend");
+    // The connection was closed: what the client reads now ends.
+    let mut drained = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stalled.read_to_end(&mut drained));
+    assert!(matches!(read.await, Ok(Ok(_)) | Ok(Err(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_loses_its_slot_at_the_header_timeout() {
     let backend = named_backend("served").await;
     let mut config = with_strategy("round-robin");

@@ -68,6 +68,10 @@ pub struct Limits {
     /// How long a client may leave its request body without sending a byte (then 408).
     #[serde(with = "crate::forms::seconds")]
     pub body_read_timeout: Duration,
+    /// How long a write to the client may wait for the client to take any of it (nginx's
+    /// `send_timeout`); exceeded, the connection is closed and the answer dropped.
+    #[serde(with = "crate::forms::seconds")]
+    pub send_timeout: Duration,
     /// Largest request head accepted (for HTTP/2, the largest header list).
     pub max_header_bytes: usize,
     /// Whether header fields whose names contain `_` are kept (by default they are dropped, as
@@ -80,6 +84,7 @@ impl Default for Limits {
         Self {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
             max_header_bytes: 64 * 1024,
             allow_underscore_headers: false,
         }
@@ -310,11 +315,12 @@ pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
 /// response writer's state and the connection's own (buffers, timers), not the request's.
 pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
     reader: ReadSide,
-    mut writer: W,
+    writer: W,
     limits: Limits,
     draining: watch::Receiver<bool>,
     handler: H,
 ) {
+    let mut writer = Sending::new(writer, limits.send_timeout);
     let mut connection = ConnectionState {
         slot: None,
         // Taken when a response is written and given back when it waits.
@@ -347,6 +353,98 @@ pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
             held = connection.slot.as_ref().and_then(|slot| slot.take());
         }
         inbound = held;
+    }
+}
+
+/// The writing side of a client connection: a write the client takes nothing of for
+/// `send_timeout` fails (nginx's `send_timeout`), so that a client that stops reading does not
+/// hold its answer, and the backend behind it, forever. The clock runs only while a write
+/// waits; the timer is made on the first write that waits and set again on the next.
+struct Sending<W> {
+    inner: W,
+    timeout: Duration,
+    /// Whether the last write waited and nothing was taken since.
+    waiting: bool,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<W> Sending<W> {
+    fn new(inner: W, timeout: Duration) -> Self {
+        Self {
+            inner,
+            timeout,
+            waiting: false,
+            sleep: None,
+        }
+    }
+
+    /// `written` as it is, unless it waited for the timeout: then an error.
+    fn bounded<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        written: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if written.is_ready() {
+            self.waiting = false;
+            return written;
+        }
+        if !self.waiting {
+            self.waiting = true;
+            let deadline = tokio::time::Instant::now() + self.timeout;
+            match self.sleep.as_mut() {
+                Some(sleep) => sleep.as_mut().reset(deadline),
+                None => self.sleep = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        let expired = self
+            .sleep
+            .as_mut()
+            .is_some_and(|sleep| sleep.as_mut().poll(cx).is_ready());
+        if expired {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took nothing for send_timeout",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for Sending<W> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.bounded(cx, written)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.bounded(cx, written)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let flushed = Pin::new(&mut this.inner).poll_flush(cx);
+        this.bounded(cx, flushed)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let shut = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.bounded(cx, shut)
     }
 }
 
@@ -1238,6 +1336,7 @@ mod tests {
             header_read_timeout: Duration::from_secs(10),
             max_header_bytes: 8192,
             body_read_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
             allow_underscore_headers: false,
         }
     }
@@ -1810,5 +1909,65 @@ mod tests {
                 assert!(answer.contains("!body failed"), "{answer}");
             }
         }
+    }
+
+    /// Answers every request with a body that never ends, ready at once; the count of `held`
+    /// tells whether the body is still alive.
+    struct Endless(Arc<()>);
+
+    struct EndlessBody(#[allow(dead_code)] Arc<()>);
+
+    impl Body for EndlessBody {
+        type Data = Bytes;
+        type Error = io::Error;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; 16 * 1024])))))
+        }
+    }
+
+    impl super::Answer for EndlessBody {}
+
+    impl Handler for Endless {
+        type Body = EndlessBody;
+
+        async fn call(
+            &self,
+            _request: Request<RequestBody>,
+            _fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            Response::new(EndlessBody(Arc::clone(&self.0)))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_is_cut_off_after_the_send_timeout() {
+        let (_drain, draining) = watch::channel(false);
+        let limits = Limits {
+            send_timeout: Duration::from_secs(30),
+            ..test_limits()
+        };
+        let held = Arc::new(());
+        let (mut client, served) = scripted(limits, draining, Endless(Arc::clone(&held)));
+        client
+            .write_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // The client reads nothing: the pipe fills and the server's writes wait.
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(600), served)
+            .await
+            .expect("the connection is closed while the client reads nothing");
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(30) && waited < Duration::from_secs(31),
+            "{waited:?}"
+        );
+        // The answer (and whatever it held upstream) is gone with the connection.
+        assert_eq!(Arc::strong_count(&held), 1);
+        drop(client);
     }
 }

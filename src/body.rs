@@ -6,6 +6,7 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
@@ -14,7 +15,7 @@ use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::h1::server::RequestBody as H1Body;
-use crate::h1::{Connection, ResponseStream};
+use crate::h1::{Connection, ResponseStream, StallTimer};
 
 /// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`], on the
 /// left), or from the TLS client (on the right).
@@ -86,7 +87,58 @@ impl Body for Whole {
 
 /// A client's request body: from the HTTP/1 server (on the left: read whole with the head, or
 /// from the connection as polled), or from hyper (HTTP/2 connections, on the right).
-pub type ClientBody = Either<H1Body, Incoming>;
+pub type ClientBody = Either<H1Body, H2Body>;
+
+/// An HTTP/2 client's request body, held to `limits.body_read_timeout` as the HTTP/1 server
+/// holds its request streams: it fails with [`std::io::ErrorKind::TimedOut`] when the client
+/// sends nothing for that long while it is read.
+#[derive(Debug)]
+pub struct H2Body {
+    inner: Incoming,
+    stall: StallTimer,
+}
+
+impl H2Body {
+    /// `inner`, failing after `timeout` without a frame.
+    pub fn new(inner: Incoming, timeout: Duration) -> Self {
+        Self {
+            inner,
+            stall: StallTimer::new(timeout),
+        }
+    }
+}
+
+impl Body for H2Body {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.stall.progressed();
+                Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
+            }
+            Poll::Pending if this.stall.stalled(cx) => {
+                let failure = BodyFailure::TimedOut;
+                let error = std::io::Error::new(std::io::ErrorKind::TimedOut, failure.message());
+                Poll::Ready(Some(Err(Box::new(error))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// A request body sent to a backend: bytes kept in memory (replayable for a retry), or the
 /// client's body streamed through after the part already read.

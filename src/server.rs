@@ -19,7 +19,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use crate::access_log::AccessLog;
 use crate::admin::{self, AdminConfig};
 use crate::balancer::Balancer;
-use crate::body::ClientBody;
+use crate::body::{ClientBody, H2Body};
 use crate::config::Settings;
 use crate::forwarding::ForwardedFor;
 use crate::h1::{self, FieldLines};
@@ -187,12 +187,15 @@ async fn serve_h2(
     client: Arc<ForwardedFor>,
     watcher: hyper_util::server::graceful::Watcher,
     peer: SocketAddr,
+    body_read_timeout: Duration,
 ) {
     let service = service_fn(move |request| {
         let shared = Arc::clone(&shared);
         let client = Arc::clone(&client);
         async move {
-            let mut answer = route(&shared, request.map(ClientBody::Right), None, &client).await;
+            let request =
+                request.map(|body| ClientBody::Right(H2Body::new(body, body_read_timeout)));
+            let mut answer = route(&shared, request, None, &client).await;
             fields_into_map(&mut answer);
             Ok::<_, Infallible>(answer)
         }
@@ -456,7 +459,17 @@ impl Acceptor {
             drop(open);
             // Boxed: an HTTP/2 connection's state is large, and the task of every HTTP/1
             // connection would be as large if it were kept inline.
-            Box::pin(serve_h2(&builder, stream, shared, client, watcher, peer)).await;
+            let body_read_timeout = limits.body_read_timeout;
+            let served = serve_h2(
+                &builder,
+                stream,
+                shared,
+                client,
+                watcher,
+                peer,
+                body_read_timeout,
+            );
+            Box::pin(served).await;
             drop(slot);
         });
     }

@@ -419,6 +419,54 @@ async fn a_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_tim
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_client_that_stops_sending_its_body_gives_the_backend_slot_back() {
+    // The backend reads the whole request body before it answers.
+    let backend = spawn_backend(|request: Request<hyper::body::Incoming>| async move {
+        let read = request
+            .into_body()
+            .collect()
+            .await
+            .map(|body| body.to_bytes().len());
+        respond(StatusCode::OK, format!("{read:?}"))
+    })
+    .await;
+    let mut config = with_strategy("round-robin");
+    config.limits.body_read_timeout = Duration::from_millis(500);
+    let router = start_router(config).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let in_flight = format!(
+        "custom_router_backend_inflight_requests{{addr=\"{}\"}}",
+        backend.host_port()
+    );
+    // A body announced larger than the retry limit is streamed through; the client sends a
+    // little of it, then nothing while it keeps the stream open.
+    let (sender, body) = channel_body();
+    let request = Request::post(router.url("/upload"))
+        .header("content-length", (4 * 1024 * 1024).to_string())
+        .body(body)
+        .unwrap();
+    let client = h2c_client();
+    let answer = tokio::spawn(async move { client.request(request).await.map(|r| r.status()) });
+    sender.send(Bytes::from(vec![b'x'; 1024])).await.unwrap();
+    let dispatched = eventually(Duration::from_secs(5), async || {
+        metric(&router, &in_flight).await == 1.0
+    })
+    .await;
+    assert!(dispatched, "the upload never reached the backend");
+    let released = eventually(Duration::from_secs(5), async || {
+        metric(&router, &in_flight).await == 0.0
+    })
+    .await;
+    assert!(released, "the stalled upload still holds its backend");
+    let status = tokio::time::timeout(Duration::from_secs(5), answer)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(status.ok(), Some(StatusCode::REQUEST_TIMEOUT));
+    drop(sender);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_loses_its_slot_at_the_header_timeout() {
     let backend = named_backend("served").await;
     let mut config = with_strategy("round-robin");

@@ -12,7 +12,6 @@ use http::{Request, Response};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
@@ -31,6 +30,8 @@ use crate::proxy::{self, ProxyPolicy};
 use crate::retry_budget::RetryBudget;
 use crate::traces::Traces;
 use crate::upstream::UpstreamClient;
+
+mod h2;
 use arc_swap::ArcSwap;
 
 /// Errors starting the router.
@@ -179,30 +180,68 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Serves an HTTP/2 (h2c) connection with hyper until it ends or the router has drained it.
+/// Serves an HTTP/2 (h2c) connection with hyper until it ends, the router has drained it, it
+/// has stayed idle for the header timeout or a stream's answer stalled for the send timeout
+/// (see [`h2`]).
 async fn serve_h2(
     builder: &auto::Builder<TokioExecutor>,
     stream: TcpStream,
     shared: Arc<Shared>,
     client: Arc<ForwardedFor>,
-    watcher: hyper_util::server::graceful::Watcher,
+    mut draining: watch::Receiver<bool>,
     peer: SocketAddr,
-    body_read_timeout: Duration,
+    limits: h1::server::Limits,
 ) {
-    let service = service_fn(move |request| {
-        let shared = Arc::clone(&shared);
-        let client = Arc::clone(&client);
-        async move {
-            let request =
-                request.map(|body| ClientBody::Right(H2Body::new(body, body_read_timeout)));
-            let mut answer = route(&shared, request, None, &client).await;
-            fields_into_map(&mut answer);
-            Ok::<_, Infallible>(answer)
+    let streams = Arc::new(h2::Streams::new());
+    let service = service_fn({
+        let streams = Arc::clone(&streams);
+        move |request: Request<hyper::body::Incoming>| {
+            let shared = Arc::clone(&shared);
+            let client = Arc::clone(&client);
+            let stream = streams.open();
+            async move {
+                let request = request
+                    .map(|body| ClientBody::Right(H2Body::new(body, limits.body_read_timeout)));
+                let mut answer = route(&shared, request, None, &client).await;
+                fields_into_map(&mut answer);
+                Ok::<_, Infallible>(answer.map(|body| h2::Watched::new(body, stream)))
+            }
         }
     });
     let connection = builder.serve_connection(TokioIo::new(stream), service);
-    if let Err(error) = watcher.watch(connection.into_owned()).await {
-        tracing::debug!(%peer, error = %error, "connection ended with an error");
+    tokio::pin!(connection);
+    let (send_timeout, idle) = (limits.send_timeout, limits.header_read_timeout);
+    let period = h2::check_period(send_timeout, idle);
+    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Told GOAWAY (draining or idle): the connection ends once its open streams have.
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            ended = connection.as_mut() => {
+                if let Err(error) = ended {
+                    tracing::debug!(%peer, error = %error, "connection ended with an error");
+                }
+                return;
+            }
+            _ = draining.wait_for(|draining| *draining), if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            _ = check.tick() => match streams.check(send_timeout, idle) {
+                h2::Verdict::Fine => {}
+                h2::Verdict::Idle => {
+                    if !closing {
+                        closing = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
+                }
+                h2::Verdict::Stalled => {
+                    tracing::debug!(%peer, "a stream's answer was not taken for send_timeout: connection closed");
+                    return;
+                }
+            }
+        }
     }
 }
 
@@ -320,7 +359,6 @@ impl Router {
         let acceptor = Acceptor {
             listener,
             builder: Arc::new(builder),
-            graceful: GracefulShutdown::new(),
             draining: watch::channel(false).0,
             open,
             slots: Arc::new(Semaphore::new(settings.max_connections())),
@@ -357,7 +395,6 @@ impl Router {
         }
         let Acceptor {
             listener,
-            graceful,
             draining,
             open,
             ..
@@ -367,15 +404,13 @@ impl Router {
             timeout_s = shutdown.timeout.as_secs_f64(),
             "listener closed, waiting for in-flight requests"
         );
-        // HTTP/1 connections close once their current response is written (at once when idle);
-        // each holds a clone of `open`, so `all_closed` ends when the last one has.
+        // HTTP/1 connections close once their current response is written (at once when idle),
+        // HTTP/2 ones are told GOAWAY and close once their open streams have ended; each holds a
+        // clone of `open`, so `all_closed` ends when the last one has.
         draining.send_replace(true);
         drop(open);
-        let finished = async {
-            tokio::join!(graceful.shutdown(), all_closed.recv());
-        };
-        match tokio::time::timeout(shutdown.timeout, finished).await {
-            Ok(()) => tracing::info!("all connections finished"),
+        match tokio::time::timeout(shutdown.timeout, all_closed.recv()).await {
+            Ok(_) => tracing::info!("all connections finished"),
             Err(_) => tracing::warn!("shutdown timeout reached with connections still open"),
         }
         state_log.abort();
@@ -398,11 +433,10 @@ struct Acceptor {
     listener: TcpListener,
     /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
     builder: Arc<auto::Builder<TokioExecutor>>,
-    /// Tells HTTP/1 connections the router drains.
+    /// Tells connections the router drains.
     draining: watch::Sender<bool>,
-    /// Held by each HTTP/1 connection until it ends.
+    /// Held by each connection until it ends.
     open: mpsc::Sender<()>,
-    graceful: GracefulShutdown,
     slots: Arc<Semaphore>,
     shared: Arc<Shared>,
 }
@@ -439,7 +473,6 @@ impl Acceptor {
         let limits = **self.shared.limits.load();
         let draining = self.draining.subscribe();
         let open = self.open.clone();
-        let watcher = self.graceful.watcher();
         tokio::spawn(async move {
             // A client that connects and sends nothing does not keep a connection slot.
             let preface = tokio::time::timeout(limits.header_read_timeout, h2_preface(&stream));
@@ -456,20 +489,11 @@ impl Acceptor {
                 drop(slot);
                 return;
             }
-            drop(open);
             // Boxed: an HTTP/2 connection's state is large, and the task of every HTTP/1
             // connection would be as large if it were kept inline.
-            let body_read_timeout = limits.body_read_timeout;
-            let served = serve_h2(
-                &builder,
-                stream,
-                shared,
-                client,
-                watcher,
-                peer,
-                body_read_timeout,
-            );
+            let served = serve_h2(&builder, stream, shared, client, draining, peer, limits);
             Box::pin(served).await;
+            drop(open);
             drop(slot);
         });
     }

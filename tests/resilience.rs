@@ -11,6 +11,7 @@ use bytes::Bytes;
 use common::*;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -464,6 +465,92 @@ async fn an_h2c_client_that_stops_sending_its_body_gives_the_backend_slot_back()
         .unwrap();
     assert_eq!(status.ok(), Some(StatusCode::REQUEST_TIMEOUT));
     drop(sender);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_timeout() {
+    // The backend streams for as long as anyone takes its bytes.
+    let backend = spawn_backend(|_request| async move {
+        let (sender, body) = channel_body();
+        tokio::spawn(async move {
+            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+            while sender.send(chunk.clone()).await.is_ok() {}
+        });
+        http::Response::new(body)
+    })
+    .await;
+    let mut config = with_strategy("round-robin");
+    config.limits.send_timeout = Duration::from_millis(500);
+    let router = start_router(config).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let in_flight = format!(
+        "custom_router_backend_inflight_requests{{addr=\"{}\"}}",
+        backend.host_port()
+    );
+    // The client takes the answer's head and then reads nothing: the stream's flow-control
+    // window fills and the router has nowhere to put the backend's bytes.
+    let stream = TcpStream::connect(router.addr).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    let connection = tokio::spawn(connection);
+    let request = Request::get(router.url("/stream")).body(full("")).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), sender.send_request(request))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    let released = eventually(Duration::from_secs(5), async || {
+        metric(&router, &in_flight).await == 0.0
+    })
+    .await;
+    assert!(released, "the unread answer still holds its backend");
+    // The router closed the connection.
+    let ended = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    assert!(ended.is_ok(), "the stalled connection is still open");
+    drop(answer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_h2c_connection_is_closed_after_the_header_timeout_but_not_while_a_stream_is_open()
+{
+    // The backend answers after twice the router's header timeout.
+    let backend = spawn_backend(|_request| async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        respond(StatusCode::OK, "late")
+    })
+    .await;
+    let mut config = with_strategy("round-robin");
+    config.limits.header_read_timeout = Duration::from_secs(1);
+    let router = start_router(config).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let stream = TcpStream::connect(router.addr).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    let connection = tokio::spawn(connection);
+    let request = Request::get(router.url("/slow")).body(full("")).unwrap();
+    let started = std::time::Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(10), sender.send_request(request))
+        .await
+        .expect("answered")
+        .unwrap();
+    let body = answer.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        &body[..],
+        b"late",
+        "a stream open longer than the timeout is answered"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    // Nothing open any more: the router says GOAWAY and the connection ends.
+    let ended = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    assert!(
+        matches!(ended, Ok(Ok(Ok(())))),
+        "the idle connection was not closed cleanly: {ended:?}"
+    );
+    assert!(sender.is_closed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -848,7 +848,10 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
         } else if name.eq_ignore_ascii_case(b"host") {
             hosts += 1;
         } else if name.eq_ignore_ascii_case(b"expect") {
-            expects_continue = value.eq_ignore_ascii_case(b"100-continue");
+            // An HTTP/1.0 client reads no interim answers: its expectation is ignored
+            // (RFC 9110 §10.1.1).
+            expects_continue =
+                version == Version::HTTP_11 && value.eq_ignore_ascii_case(b"100-continue");
         } else if name.eq_ignore_ascii_case(FORWARDED_FOR.as_bytes()) {
             forwarded_for.0 += 1;
             forwarded_for.1 = Some(head.slice(value_start as usize..value_end as usize));

@@ -587,6 +587,21 @@ pub fn framing() -> Vec<Vector> {
         )
         .requests(vec![req("POST /x HTTP/1.1").body("hello")]),
     );
+    // HTTP/1.0 has no interim answers (RFC 9110 §10.1.1): the expectation is ignored, and the
+    // first answer the client reads is the final one.
+    vectors.push(
+        vector(
+            "frame-expect-continue-http10",
+            vec![
+                send("POST /x HTTP/1.0\r\nHost: a\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"),
+                Step::Wait(40),
+                send("hello"),
+                expect(resp(200).body("/x")),
+                Step::Closed,
+            ],
+        )
+        .requests(vec![req("POST /x HTTP/1.1").body("hello")]),
+    );
     // Bodies past the size read whole before proxying (2 MiB streams).
     let large: Vec<u8> = (0..2 * 1024 * 1024)
         .map(|i| b'a' + (i % 26) as u8)

@@ -803,6 +803,15 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
     let head = buffer.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
         .map_err(|_| bad("invalid request target"))?;
+    // Authority form is for CONNECT only, asterisk form for OPTIONS only (RFC 9112 §3.2.3,
+    // §3.2.4): another method with either has no path to forward.
+    let authority_form = uri.scheme().is_none() && uri.authority().is_some();
+    if authority_form && method != Method::CONNECT {
+        return Err(bad("authority-form target without CONNECT"));
+    }
+    if uri == "*" && method != Method::OPTIONS {
+        return Err(bad("asterisk-form target without OPTIONS"));
+    }
     let spans = &spans[..count];
     let field = |start: u32, end: u32| &head[start as usize..end as usize];
     // One pass reads the framing and connection fields and writes the others as lines (httparse

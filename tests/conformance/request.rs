@@ -711,6 +711,31 @@ pub fn headers() -> Vec<Vector> {
             "GET /h10 HTTP/1.1",
             b"",
         ),
+        // Request-target forms (RFC 9112 §3.2): authority form is for CONNECT only, asterisk
+        // form for OPTIONS only (nginx: 400); absolute form goes on in origin form.
+        refused(
+            "hdr-authority-form-get",
+            "GET example.test:80 HTTP/1.1\r\nHost: a\r\n\r\n",
+            400,
+        ),
+        refused(
+            "hdr-authority-form-bare-name",
+            "POST localhost HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
+            400,
+        ),
+        refused("hdr-asterisk-get", "GET * HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+        accepted(
+            "hdr-asterisk-options",
+            "OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n",
+            "OPTIONS * HTTP/1.1",
+            b"",
+        ),
+        accepted(
+            "hdr-absolute-form",
+            "GET http://example.test/x?q=1 HTTP/1.1\r\nHost: example.test\r\n\r\n",
+            "GET /x?q=1 HTTP/1.1",
+            b"",
+        ),
         accepted(
             "hdr-utf8-value",
             "GET /x HTTP/1.1\r\nHost: a\r\nX-Name: caf\u{e9}\r\n\r\n",

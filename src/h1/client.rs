@@ -681,6 +681,11 @@ fn parse_head(
         }
         Framing::Length(0)
     } else if transfer_encoding.is_some() {
+        // HTTP/1.0 has no transfer codings: a sender that uses one may have framed the body
+        // wrongly, so the connection ends with it (RFC 9112 §6.1).
+        if http10 {
+            keep_alive = false;
+        }
         Framing::Chunked(Chunked::Size)
     } else if let Some(length) = content_length {
         Framing::Length(length)

@@ -185,6 +185,19 @@ pub fn desyncs() -> Vec<Vector> {
         ),
         resp(200).body("hello"),
     ));
+    // An HTTP/1.0 message with Transfer-Encoding has faulty framing (RFC 9112 §6.1): it is read,
+    // and its connection closed, whatever `Connection` says.
+    vectors.push(
+        desync(
+            "resp-http10-chunked-keep-alive",
+            GET_X,
+            Reply::raw(
+                "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            ),
+            resp(200).body("hello"),
+        )
+        .backend_closed_within(1000),
+    );
     // A complete answer, then a whole unsolicited response on the idle connection.
     vectors.push(desync(
         "resp-unsolicited-after-idle",

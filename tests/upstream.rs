@@ -623,3 +623,35 @@ async fn a_backends_end_to_end_fields_reach_http1_and_h2c_clients_as_sent() {
     assert_eq!(headers["x-end"], "kept");
     assert_eq!(headers.get_all("date").iter().count(), 1);
 }
+
+#[tokio::test]
+async fn a_backends_trailers_reach_http1_and_h2c_clients_without_framing_or_hop_by_hop_fields() {
+    let backend = raw_backend(false, |_request| {
+        Reply::keep_open(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-sum\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 42\r\nConnection: close\r\nKeep-Alive: timeout=5\r\nTransfer-Encoding: chunked\r\nContent-Length: 40\r\nHost: elsewhere\r\nTrailer: x-sum\r\n\r\n",
+        )
+    })
+    .await;
+    let router = router_for(&backend).await;
+    let h2c = h2c_client();
+    for over_h2c in [false, true] {
+        let request = Request::get(router.url("/trailers"))
+            .header("te", "trailers")
+            .body(full(""))
+            .unwrap();
+        let response = if over_h2c {
+            within(h2c.request(request)).await.unwrap()
+        } else {
+            within(client().request(request)).await.unwrap()
+        };
+        assert_eq!(response.status(), StatusCode::OK, "h2c: {over_h2c}");
+        let collected = within(response.into_body().collect())
+            .await
+            .unwrap_or_else(|error| panic!("h2c: {over_h2c}: body cut: {error}"));
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        assert_eq!(&collected.to_bytes()[..], b"hello", "h2c: {over_h2c}");
+        let names: Vec<_> = trailers.keys().map(|name| name.as_str()).collect();
+        assert_eq!(names, ["x-sum"], "h2c: {over_h2c}");
+        assert_eq!(trailers["x-sum"], "42", "h2c: {over_h2c}");
+    }
+}

@@ -239,10 +239,14 @@ pub(crate) fn append_chunk(out: &mut Vec<u8>, data: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// Appends the last chunk and the trailer block.
+/// Appends the last chunk and the trailer block (the fields a trailer may carry, see
+/// [`allowed_in_trailers`]: trailers from an HTTP/2 peer are not decoded here).
 pub(crate) fn append_last_chunk(out: &mut Vec<u8>, trailers: Option<&HeaderMap>) {
     out.extend_from_slice(b"0\r\n");
     for (name, value) in trailers.into_iter().flatten() {
+        if !allowed_in_trailers(name.as_str().as_bytes()) {
+            continue;
+        }
         append_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
     out.extend_from_slice(b"\r\n");
@@ -580,7 +584,18 @@ pub(crate) fn decode_chunked(state: &mut Chunked, buffer: &mut BytesMut) -> io::
     }
 }
 
-/// The trailer block after the last chunk: nothing (an empty line) or header fields.
+/// Whether a trailer field is passed on: not a hop-by-hop field, nor one that frames or routes
+/// a message (`Content-Length`, `Host`), which a trailer must not carry (RFC 9110 §6.5.1) and
+/// which an HTTP/2 peer treats as a malformed message, resetting the stream. Dropped, as nginx
+/// drops them.
+fn allowed_in_trailers(name: &[u8]) -> bool {
+    hop_by_hop(name).is_none()
+        && !name.eq_ignore_ascii_case(b"content-length")
+        && !name.eq_ignore_ascii_case(b"host")
+}
+
+/// The trailer block after the last chunk: nothing (an empty line) or header fields (those a
+/// trailer may carry, see [`allowed_in_trailers`]).
 pub(crate) fn decode_trailers(buffer: &mut BytesMut) -> io::Result<Decoded> {
     match buffer.first() {
         None => return Ok(Decoded::More),
@@ -606,6 +621,9 @@ pub(crate) fn decode_trailers(buffer: &mut BytesMut) -> io::Result<Decoded> {
         Ok(httparse::Status::Complete((length, fields))) => {
             let mut trailers = HeaderMap::with_capacity(fields.len());
             for field in fields.iter() {
+                if !allowed_in_trailers(field.name.as_bytes()) {
+                    continue;
+                }
                 let name = HeaderName::from_bytes(field.name.as_bytes())
                     .map_err(|_| invalid("invalid trailer name"))?;
                 let value = HeaderValue::from_bytes(field.value)
@@ -674,6 +692,27 @@ impl StallTimer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn trailers_keep_their_own_fields_and_drop_framing_routing_and_hop_by_hop_ones() {
+        let mut block = BytesMut::from(
+            &b"x-sum: 42\r\nConnection: close\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nTransfer-Encoding: chunked\r\nContent-Length: 40\r\nHost: elsewhere\r\nTrailer: x-sum\r\nUpgrade: h2c\r\nProxy-Connection: close\r\nGrpc-Status: 0\r\n\r\nnext"[..],
+        );
+        let Decoded::Trailers(trailers) = decode_trailers(&mut block).unwrap() else {
+            panic!("trailers expected");
+        };
+        let names: Vec<_> = trailers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-sum", "grpc-status"]);
+        assert_eq!(&block[..], b"next", "the whole block is consumed");
+        // Trailers written (those of an HTTP/2 peer) are held to the same rule.
+        let mut written = HeaderMap::new();
+        written.insert("x-sum", HeaderValue::from_static("42"));
+        written.insert("content-length", HeaderValue::from_static("40"));
+        written.insert("host", HeaderValue::from_static("elsewhere"));
+        let mut out = Vec::new();
+        append_last_chunk(&mut out, Some(&written));
+        assert_eq!(out, b"0\r\nx-sum: 42\r\n\r\n");
+    }
 
     #[tokio::test]
     async fn reads_grow_while_they_fill_and_an_idle_buffer_is_given_back() {

@@ -27,6 +27,7 @@ use crate::metrics::MetricsError;
 use crate::observed::ResponseBody;
 use crate::pool;
 use crate::proxy::{self, ProxyPolicy};
+use crate::response;
 use crate::retry_budget::RetryBudget;
 use crate::traces::Traces;
 use crate::upstream::UpstreamClient;
@@ -200,6 +201,17 @@ async fn serve_h2(
             let client = Arc::clone(&client);
             let stream = streams.open();
             async move {
+                // The `Host` (else the `:authority`) goes to the backend as it is: held to the
+                // HTTP/1 server's rule.
+                let host = request
+                    .headers()
+                    .get(http::header::HOST)
+                    .map(|host| host.as_bytes());
+                let host = host.or_else(|| Some(request.uri().authority()?.as_str().as_bytes()));
+                if host.is_some_and(|host| !h1::server::valid_host(host)) {
+                    let answer = response::error(http::StatusCode::BAD_REQUEST, "invalid Host");
+                    return Ok(answer.map(|body| h2::Watched::new(body, stream)));
+                }
                 let request = request
                     .map(|body| ClientBody::Right(H2Body::new(body, limits.body_read_timeout)));
                 let mut answer = route(&shared, request, None, &client).await;

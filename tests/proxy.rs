@@ -259,6 +259,33 @@ async fn h2c_clients_are_served_and_forwarded_as_http11() {
 }
 
 #[tokio::test]
+async fn an_h2c_request_with_a_host_nginx_would_refuse_gets_400_and_reaches_no_backend() {
+    let backend = echo_backend().await;
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &[backend.host_port()]).await;
+    let client = h2c_client();
+    for (host, status) in [
+        ("a/../b", StatusCode::BAD_REQUEST),
+        ("a..b", StatusCode::BAD_REQUEST),
+        ("example.test:8080", StatusCode::OK),
+    ] {
+        let request = Request::get(router.url("/x"))
+            .header("host", host)
+            .body(full(""))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), status, "{host}");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        if status == StatusCode::OK {
+            assert_eq!(answer["headers"]["host"], host);
+        } else {
+            assert_eq!(answer["error"], "invalid Host", "{host}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn no_backend_answers_503_json_at_once_with_round_robin() {
     let router = start_router(round_robin()).await;
     let (status, body) = get(&router.url("/generate")).await;

@@ -737,6 +737,39 @@ async fn read_head(
     }
 }
 
+/// Whether a `Host` value names a host as nginx accepts it (`ngx_http_validate_host`): no
+/// space, control byte or `/`, no `..`, and a name that is not empty once a port and one
+/// trailing dot are set aside. The value reaches the backend as it is, and a backend may build
+/// paths, links or cache keys from it.
+pub fn valid_host(value: &[u8]) -> bool {
+    let mut name_end = value.len();
+    let mut literal = false;
+    let mut in_port = false;
+    let mut previous = 0u8;
+    for (at, &byte) in value.iter().enumerate() {
+        match byte {
+            b'.' if previous == b'.' => return false,
+            b':' if !literal && !in_port => {
+                name_end = at;
+                in_port = true;
+            }
+            b'[' if at == 0 => literal = true,
+            b']' if literal => {
+                name_end = at + 1;
+                literal = false;
+                in_port = true;
+            }
+            b'/' => return false,
+            byte if byte <= 0x20 || byte == 0x7f => return false,
+            _ => {}
+        }
+        previous = byte;
+    }
+    let name = &value[..name_end];
+    let name = name.strip_suffix(b".").unwrap_or(name);
+    !name.is_empty()
+}
+
 /// Parses a request head at the start of `buffer` and removes it from there; `None` when it is
 /// not complete yet.
 fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Refusal> {
@@ -855,6 +888,9 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
             let length = parse_content_length(value).map_err(|_| bad("invalid Content-Length"))?;
             content_length = Some(length);
         } else if name.eq_ignore_ascii_case(b"host") {
+            if !valid_host(value) {
+                return Err(bad("invalid Host"));
+            }
             hosts += 1;
         } else if name.eq_ignore_ascii_case(b"expect") {
             // An HTTP/1.0 client reads no interim answers: its expectation is ignored
@@ -1350,6 +1386,37 @@ mod tests {
             body_read_timeout: Duration::from_secs(60),
             send_timeout: Duration::from_secs(60),
             allow_underscore_headers: false,
+        }
+    }
+
+    #[test]
+    fn a_host_is_accepted_as_nginx_accepts_it() {
+        for host in [
+            &b"example.test"[..],
+            b"example.test:8080",
+            b"example.test.",
+            b"10.0.0.1:80",
+            b"[::1]",
+            b"[::1]:3000",
+            b"xn--caf-dma.test",
+            b"under_score.test",
+        ] {
+            assert!(valid_host(host), "{}", String::from_utf8_lossy(host));
+        }
+        for host in [
+            &b""[..],
+            b":80",
+            b".",
+            b"a b",
+            b"a\tb",
+            b"a/b",
+            b"a/../b",
+            b"a..b",
+            b"..",
+            b"x\x7f",
+            b"x\x01y",
+        ] {
+            assert!(!valid_host(host), "{}", String::from_utf8_lossy(host));
         }
     }
 

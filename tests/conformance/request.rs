@@ -723,6 +723,35 @@ pub fn headers() -> Vec<Vector> {
             "POST localhost HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
             400,
         ),
+        // A Host nginx would refuse (`ngx_http_validate_host`): the value reaches the backend
+        // as it is.
+        refused(
+            "hdr-host-slash",
+            "GET /x HTTP/1.1\r\nHost: a/../b\r\n\r\n",
+            400,
+        ),
+        refused(
+            "hdr-host-dot-dot",
+            "GET /x HTTP/1.1\r\nHost: a..b\r\n\r\n",
+            400,
+        ),
+        refused(
+            "hdr-host-space",
+            "GET /x HTTP/1.1\r\nHost: a b\r\n\r\n",
+            400,
+        ),
+        refused("hdr-host-empty", "GET /x HTTP/1.1\r\nHost: \r\n\r\n", 400),
+        refused(
+            "hdr-host-port-only",
+            "GET /x HTTP/1.1\r\nHost: :80\r\n\r\n",
+            400,
+        ),
+        accepted(
+            "hdr-host-ipv6-port",
+            "GET /x HTTP/1.1\r\nHost: [::1]:3000\r\n\r\n",
+            "GET /x HTTP/1.1",
+            b"",
+        ),
         refused("hdr-asterisk-get", "GET * HTTP/1.1\r\nHost: a\r\n\r\n", 400),
         accepted(
             "hdr-asterisk-options",

@@ -8,6 +8,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -47,6 +48,34 @@ pub enum AddrError {
     /// `user@host`.
     #[error("{0:?} has user info; give only [scheme://]host:port")]
     UserInfo(String),
+    /// A host that is not an IPv4 address, a bracketed IPv6 address or a DNS name.
+    #[error(
+        "{0:?} has an invalid host (expected an IPv4 address, a bracketed IPv6 address or a DNS name)"
+    )]
+    BadHost(String),
+}
+
+/// The host as written in a canonical address, or `None` when it is not an IPv4 address, a
+/// bracketed IPv6 address (written in its shortest form) or a DNS name (labels of letters,
+/// digits, `-` and `_`, an optional final dot; a name of digits and dots only is an IPv4
+/// address).
+fn canonical_host(host: &str) -> Option<String> {
+    if let Some(inner) = host.strip_prefix('[') {
+        let ip: Ipv6Addr = inner.strip_suffix(']')?.parse().ok()?;
+        return Some(format!("[{ip}]"));
+    }
+    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return host.parse::<Ipv4Addr>().ok().map(|ip| ip.to_string());
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let valid = name.len() <= 253
+        && name.split('.').all(|label| {
+            (1..=63).contains(&label.len())
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    valid.then(|| host.to_ascii_lowercase())
 }
 
 /// A parsed backend address: `host:port`, `http://host:port` or `https://host:port`.
@@ -136,21 +165,15 @@ impl FromStr for BackendAddr {
         if port_text.is_empty() {
             return Err(AddrError::NoPort(owned()));
         }
-        match port_text.parse::<u16>() {
-            Ok(port) if port > 0 => {}
+        let port = match port_text.parse::<u16>() {
+            Ok(port) if port > 0 && port_text.bytes().all(|b| b.is_ascii_digit()) => port,
             _ => return Err(AddrError::BadPort(owned())),
-        }
+        };
         if host_text.is_empty() || (host_text.contains(':') && !host_text.starts_with('[')) {
             return Err(AddrError::Invalid(owned()));
         }
-        let authority =
-            Authority::from_str(authority_text).map_err(|_| AddrError::Invalid(owned()))?;
-        let host = authority.host().to_ascii_lowercase();
-        let port = port_text.trim_start_matches('0');
-        debug_assert_eq!(
-            authority.port_u16().map(|p| p.to_string()).as_deref(),
-            Some(port)
-        );
+        Authority::from_str(authority_text).map_err(|_| AddrError::Invalid(owned()))?;
+        let host = canonical_host(host_text).ok_or_else(|| AddrError::BadHost(owned()))?;
         let canonical = format!("{host}:{port}");
         let authority = Authority::from_str(&canonical).map_err(|_| AddrError::Invalid(owned()))?;
         let display = if https {
@@ -591,6 +614,21 @@ mod tests {
         assert!(matches!(parse("user@host:80"), Err(AddrError::UserInfo(_))));
         assert!(matches!(parse(":80"), Err(AddrError::Invalid(_))));
         assert!(matches!(parse("ho st:80"), Err(AddrError::Invalid(_))));
+        assert!(matches!(parse("host:+80"), Err(AddrError::BadPort(_))));
+        for bad in [
+            "[foo]:80",
+            "[]:80",
+            "[10.0.0.1]:80",
+            "999.0.0.1:80",
+            "10.1:80",
+            "a..b:80",
+            ".a:80",
+            "a!b:80",
+        ] {
+            assert!(matches!(parse(bad), Err(AddrError::BadHost(_))), "{bad}");
+        }
+        assert_eq!(parse("[FD00:0::0A]:80").unwrap(), "[fd00::a]:80");
+        assert_eq!(parse("Replica_1.svc.:0080").unwrap(), "replica_1.svc.:80");
     }
 
     #[test]

@@ -15,15 +15,17 @@ async fn set_backends_replaces_the_set_collapses_duplicates_and_allows_empty() {
             "10.0.0.1:80".into(),
             "http://10.0.0.1:80".into(),
             "https://[::1]:8443".into(),
+            "https://[0:0::1]:8443".into(),
             "replica-2.internal:8080".into(),
+            "[FD00::0A]:80".into(),
         ],
     )
     .await;
     assert_eq!(
         answer,
-        json!({"ok": true, "backends": ["10.0.0.1:80", "https://[::1]:8443", "replica-2.internal:8080"]})
+        json!({"ok": true, "backends": ["10.0.0.1:80", "https://[::1]:8443", "replica-2.internal:8080", "[fd00::a]:80"]})
     );
-    assert_eq!(listed_backends(router.addr).await.len(), 3);
+    assert_eq!(listed_backends(router.addr).await.len(), 4);
     let answer = set_backends(router.addr, &[]).await;
     assert_eq!(answer, json!({"ok": true, "backends": []}));
     assert!(listed_backends(router.addr).await.is_empty());
@@ -82,6 +84,20 @@ async fn bad_set_backends_input_gets_400_naming_the_problem_and_changes_nothing(
             "unknown scheme",
         ),
         (json!({ "backends": many }).to_string(), "at most 1024"),
+        (r#"{"backends": ["10.0.0.1:+80"]}"#.into(), "invalid port"),
+        (r#"{"backends": ["[foo]:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["[]:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["[10.0.0.1]:80"]}"#.into(), "invalid host"),
+        (
+            r#"{"backends": ["[fe80::1%eth0]:80"]}"#.into(),
+            "invalid host",
+        ),
+        (r#"{"backends": ["999.0.0.1:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["10.0.0.1.2:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["010.0.0.1:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["a!b$c:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["a..b:80"]}"#.into(), "invalid host"),
+        (r#"{"backends": ["a:1", "[x]:80"]}"#.into(), "backends[1]"),
     ];
     for (body, expected) in cases {
         let (status, answer) =

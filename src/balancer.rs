@@ -383,6 +383,29 @@ impl Balancer {
     /// fresh. Duplicates (same canonical address) collapse, first occurrence wins.
     pub fn set_backends(self: &Arc<Self>, addrs: Vec<BackendAddr>) -> Arc<Vec<Arc<Backend>>> {
         let mut queue = self.lock();
+        self.set_backends_locked(&mut queue, addrs)
+    }
+
+    /// [`Balancer::set_backends`] for configured discovery: nothing is replaced (and `None`
+    /// returned) once the admin API has replaced the set. The mark is read under the lock the
+    /// replacement holds, and set-backends marks before it replaces, so a set-backends call is
+    /// never overwritten by a discovery result that was checked before it.
+    pub fn set_discovered_backends(
+        self: &Arc<Self>,
+        addrs: Vec<BackendAddr>,
+    ) -> Option<Arc<Vec<Arc<Backend>>>> {
+        let mut queue = self.lock();
+        if self.backends_set_by_admin() {
+            return None;
+        }
+        Some(self.set_backends_locked(&mut queue, addrs))
+    }
+
+    fn set_backends_locked(
+        self: &Arc<Self>,
+        queue: &mut Queue,
+        addrs: Vec<BackendAddr>,
+    ) -> Arc<Vec<Arc<Backend>>> {
         let current = self.backends.load();
         let mut next: Vec<Arc<Backend>> = Vec::with_capacity(addrs.len());
         for addr in addrs {
@@ -401,7 +424,7 @@ impl Balancer {
         }
         let next = Arc::new(next);
         self.backends.store(Arc::clone(&next));
-        self.refresh_eligible_locked(&mut queue);
+        self.refresh_eligible_locked(queue);
         next
     }
 
@@ -1159,5 +1182,33 @@ mod tests {
             lease.mark_first_byte();
         }
         assert_eq!(*strategy.past_limit.lock().unwrap(), [true; 40]);
+    }
+
+    #[test]
+    fn discovery_never_replaces_a_set_the_admin_api_replaced() {
+        let balancer =
+            Balancer::new(Tuning::default(), Arc::new(RoomPerFirstByte::default())).unwrap();
+        let addr = |text: &str| text.parse::<BackendAddr>().unwrap();
+        let listed = |balancer: &Arc<Balancer>| -> Vec<String> {
+            balancer
+                .backends()
+                .iter()
+                .map(|b| b.addr().to_string())
+                .collect()
+        };
+        assert!(
+            balancer
+                .set_discovered_backends(vec![addr("10.0.0.1:80")])
+                .is_some()
+        );
+        assert_eq!(listed(&balancer), ["10.0.0.1:80"]);
+        balancer.mark_set_by_admin();
+        balancer.set_backends(vec![addr("10.0.0.2:80")]);
+        assert!(
+            balancer
+                .set_discovered_backends(vec![addr("10.0.0.3:80")])
+                .is_none()
+        );
+        assert_eq!(listed(&balancer), ["10.0.0.2:80"]);
     }
 }

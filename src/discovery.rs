@@ -181,12 +181,14 @@ impl Discovery {
             }
             self.refresh(&balancer).await;
             let addrs = self.addrs();
-            if addrs == applied || balancer.backends_set_by_admin() {
+            if addrs == applied {
+                continue;
+            }
+            if balancer.set_discovered_backends(addrs.clone()).is_none() {
                 continue;
             }
             let list: Vec<&str> = addrs.iter().map(BackendAddr::as_str).collect();
             tracing::info!(backends = ?list, "backend set replaced by DNS discovery");
-            balancer.set_backends(addrs.clone());
             applied = addrs;
         }
     }

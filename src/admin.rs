@@ -6,6 +6,7 @@ use std::net::IpAddr;
 
 use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
+use http_body::Body as _;
 use http_body_util::{BodyExt, Limited};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -156,17 +157,16 @@ async fn set_backends(
             .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return answer;
     }
+    // A body declared larger than the limit is refused before any of it is read.
+    if request.body().size_hint().lower() > MAX_BODY_BYTES as u64 {
+        return too_large();
+    }
     let body = match Limited::new(request.into_body(), MAX_BODY_BYTES)
         .collect()
         .await
     {
         Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<http_body_util::LengthLimitError>() => {
-            return response::error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!("body larger than {MAX_BODY_BYTES} bytes"),
-            );
-        }
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => return too_large(),
         Err(error) => {
             return response::error(
                 StatusCode::BAD_REQUEST,
@@ -186,6 +186,13 @@ async fn set_backends(
     let list: Vec<&str> = backends.iter().map(|b| b.addr().as_str()).collect();
     tracing::info!(backends = ?list, "backend set replaced");
     response::json(StatusCode::OK, &json!({ "ok": true, "backends": list }))
+}
+
+fn too_large() -> Response<ResponseBody> {
+    response::error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("body larger than {MAX_BODY_BYTES} bytes"),
+    )
 }
 
 /// Parses a set-backends body; the error names the offending field.

@@ -129,6 +129,30 @@ async fn oversized_body_is_refused_and_changes_nothing() {
 }
 
 #[tokio::test]
+async fn a_declared_oversized_body_is_refused_before_it_is_sent() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let router = start_router(round_robin()).await;
+    set_backends(router.addr, &["127.0.0.1:9001".to_owned()]).await;
+    let mut client = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    client
+        .write_all(
+            b"POST /_custom_router/set-backends HTTP/1.1\r\nHost: a\r\n\
+              Content-Type: application/json\r\nContent-Length: 2000000\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut answer = vec![0; 4096];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(5), client.read(&mut answer))
+        .await
+        .expect("answered without waiting for the body")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
+    assert!(answer.contains("larger than"), "{answer}");
+    assert_eq!(listed_backends(router.addr).await, ["127.0.0.1:9001"]);
+}
+
+#[tokio::test]
 async fn wrong_method_on_admin_paths_is_405_and_admin_paths_are_never_proxied() {
     let backend = named_backend("backend").await;
     let router = start_router(round_robin()).await;

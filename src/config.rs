@@ -777,6 +777,11 @@ fn is_token_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c)
 }
 
+/// Most runtime threads `worker_threads` may ask for: far past any CPU count the router runs
+/// on, and low enough that the runtime can start them (a count the system cannot spawn would
+/// fail at start, after the configuration was accepted).
+const MAX_WORKER_THREADS: usize = 1024;
+
 fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
     let positive_counts = [
         ("queue.max_size", config.queue.max_size),
@@ -791,6 +796,16 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             return Err(ConfigError::new(
                 locate(key),
                 "expected a positive integer, found 0",
+            ));
+        }
+    }
+    if let Count::Fixed(threads) = config.worker_threads {
+        if threads > MAX_WORKER_THREADS {
+            return Err(ConfigError::new(
+                locate("worker_threads"),
+                format!(
+                    "expected at most {MAX_WORKER_THREADS} threads or \"auto\", found {threads}"
+                ),
             ));
         }
     }

@@ -206,22 +206,47 @@ impl serde::Serialize for Count {
 
 impl<'de> Deserialize<'de> for Count {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Form {
-            Number(u64),
-            Text(String),
+        struct Visitor;
+
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Count;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a positive integer or \"auto\"")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, count: u64) -> Result<Count, E> {
+                match usize::try_from(count) {
+                    Ok(count) if count > 0 => Ok(Count::Fixed(count)),
+                    _ => Err(E::custom(format!(
+                        "expected a positive integer or \"auto\", found {count}"
+                    ))),
+                }
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, count: i64) -> Result<Count, E> {
+                match u64::try_from(count) {
+                    Ok(count) => self.visit_u64(count),
+                    Err(_) => Err(E::custom(format!(
+                        "expected a positive integer or \"auto\", found {count}"
+                    ))),
+                }
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Count, E> {
+                if text.trim().eq_ignore_ascii_case("auto") {
+                    return Ok(Count::Auto);
+                }
+                match text.trim().parse::<usize>() {
+                    Ok(count) if count > 0 => Ok(Count::Fixed(count)),
+                    _ => Err(E::custom(format!(
+                        "expected a positive integer or \"auto\", found {text:?}"
+                    ))),
+                }
+            }
         }
-        let expected = "expected a positive integer or \"auto\"";
-        match Form::deserialize(deserializer)? {
-            Form::Number(0) => Err(D::Error::custom(format!("{expected}, found 0"))),
-            Form::Number(count) => Ok(Count::Fixed(count as usize)),
-            Form::Text(text) if text.trim().eq_ignore_ascii_case("auto") => Ok(Count::Auto),
-            Form::Text(text) => match text.trim().parse::<usize>() {
-                Ok(count) if count > 0 => Ok(Count::Fixed(count)),
-                _ => Err(D::Error::custom(format!("{expected}, found {text:?}"))),
-            },
-        }
+
+        deserializer.deserialize_any(Visitor)
     }
 }
 

@@ -211,6 +211,19 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
         ),
         (
             vec![],
+            vec![("CUSTOM_ROUTER_WORKER_THREADS", "1000000")],
+            vec!["CUSTOM_ROUTER_WORKER_THREADS", "at most 1024"],
+        ),
+        (
+            vec![],
+            vec![("CUSTOM_ROUTER_MAX_CONNECTIONS", "-1")],
+            vec![
+                "CUSTOM_ROUTER_MAX_CONNECTIONS",
+                "positive integer or \"auto\", found -1",
+            ],
+        ),
+        (
+            vec![],
             vec![("CUSTOM_ROUTER_LOG_FORMAT", "xml")],
             vec!["CUSTOM_ROUTER_LOG_FORMAT", "text"],
         ),

@@ -201,15 +201,8 @@ async fn serve_h2(
             let client = Arc::clone(&client);
             let stream = streams.open();
             async move {
-                // The `Host` (else the `:authority`) goes to the backend as it is: held to the
-                // HTTP/1 server's rule.
-                let host = request
-                    .headers()
-                    .get(http::header::HOST)
-                    .map(|host| host.as_bytes());
-                let host = host.or_else(|| Some(request.uri().authority()?.as_str().as_bytes()));
-                if host.is_some_and(|host| !h1::server::valid_host(host)) {
-                    let answer = response::error(http::StatusCode::BAD_REQUEST, "invalid Host");
+                if let Some(refusal) = h2_refusal(&request) {
+                    let answer = response::error(http::StatusCode::BAD_REQUEST, refusal);
                     return Ok(answer.map(|body| h2::Watched::new(body, stream)));
                 }
                 let request = request
@@ -254,6 +247,31 @@ async fn serve_h2(
                 }
             }
         }
+    }
+}
+
+/// Why an HTTP/2 request that hyper accepted is answered 400 instead of being forwarded, if it
+/// is: what the backend would read from its HTTP/1.1 head must be what the client asked.
+fn h2_refusal(request: &Request<hyper::body::Incoming>) -> Option<&'static str> {
+    // The `Host` (else the `:authority`) goes to the backend as it is: held to the HTTP/1
+    // server's rule.
+    let host = request
+        .headers()
+        .get(http::header::HOST)
+        .map(|host| host.as_bytes());
+    let host = host.or_else(|| Some(request.uri().authority()?.as_str().as_bytes()));
+    if host.is_some_and(|host| !h1::server::valid_host(host)) {
+        return Some("invalid Host");
+    }
+    // The `:path` becomes the request target: origin form, or asterisk form for OPTIONS only
+    // (RFC 9113 §8.3.1). hyper lets a path that starts with `?` through (`GET ?a HTTP/1.1`).
+    let target = request.uri().path_and_query().map(|path| path.as_str());
+    match target {
+        Some("*") if request.method() != http::Method::OPTIONS => {
+            Some("asterisk-form target without OPTIONS")
+        }
+        Some(target) if target != "*" && !target.starts_with('/') => Some("invalid request target"),
+        _ => None,
     }
 }
 

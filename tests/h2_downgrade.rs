@@ -1,0 +1,930 @@
+//! HTTP/2 requests forwarded as HTTP/1.1: malformed fields and pseudo-header fields, framing
+//! that disagrees with `Content-Length`, trailers, resets mid-body and oversized header blocks,
+//! sent as raw frames by an h2c client (hyper's and h2's clients refuse to send most of them).
+//! Each vector checks what a raw backend received: one well-formed request with exactly the body
+//! the client framed, or nothing.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use custom_router::config::Config;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+/// The longest any exchange in this file may take.
+const LIMIT: Duration = Duration::from_secs(3);
+
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+const CONTINUATION: u8 = 0x9;
+
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const ACK: u8 = 0x1;
+
+// ---------------------------------------------------------------------------------------------
+// The backend: records each request as the bytes it read, and what was left when a connection
+// ended.
+
+/// What the backend saw.
+#[derive(Debug)]
+enum Seen {
+    /// A whole request on connection `connection`: its head as sent, and its body (decoded).
+    Request {
+        connection: usize,
+        head: String,
+        body: Vec<u8>,
+        /// The chunked trailer block (empty for other framings).
+        trailers: String,
+    },
+    /// A connection ended, with `left` bytes read that made no whole request.
+    Closed { left: Vec<u8> },
+}
+
+struct Backend {
+    addr: String,
+    seen: mpsc::UnboundedReceiver<Seen>,
+    accepted: Arc<AtomicUsize>,
+}
+
+impl Backend {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (sink, seen) = mpsc::unbounded_channel();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let connection = counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(stream, connection, sink.clone()));
+            }
+        });
+        Self {
+            addr,
+            seen,
+            accepted,
+        }
+    }
+
+    /// The next thing the backend saw.
+    async fn next(&mut self) -> Seen {
+        tokio::time::timeout(LIMIT, self.seen.recv())
+            .await
+            .expect("the backend sees something in time")
+            .unwrap()
+    }
+
+    /// The next whole request (head and body); connection ends before it are passed over.
+    async fn next_request(&mut self) -> (usize, String, Vec<u8>) {
+        loop {
+            if let Seen::Request {
+                connection,
+                head,
+                body,
+                ..
+            } = self.next().await
+            {
+                return (connection, head, body);
+            }
+        }
+    }
+
+    /// What the backend saw before the marker request (a `GET /marker`), which comes next.
+    async fn before_marker(&mut self) -> Vec<Seen> {
+        let mut seen = Vec::new();
+        loop {
+            let next = self.next().await;
+            if let Seen::Request { head, .. } = &next {
+                if head.starts_with("GET /marker ") {
+                    return seen;
+                }
+            }
+            seen.push(next);
+        }
+    }
+}
+
+/// Answers each request of one connection with a 200 of two bytes.
+async fn serve(mut stream: TcpStream, connection: usize, sink: mpsc::UnboundedSender<Seen>) {
+    let mut buffer = Vec::new();
+    while let Some((head, body, trailers)) = read_request(&mut stream, &mut buffer).await {
+        let _ = sink.send(Seen::Request {
+            connection,
+            head,
+            body,
+            trailers,
+        });
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        if stream.write_all(answer).await.is_err() {
+            break;
+        }
+    }
+    let _ = sink.send(Seen::Closed { left: buffer });
+}
+
+/// Reads one request; `None` when the connection ends first (what was read stays in `buffer`).
+async fn read_request(
+    stream: &mut TcpStream,
+    buffer: &mut Vec<u8>,
+) -> Option<(String, Vec<u8>, String)> {
+    let mut scanned = 0;
+    let end = loop {
+        if let Some(end) = find(&buffer[scanned..], b"\r\n\r\n") {
+            break scanned + end + 4;
+        }
+        scanned = buffer.len().saturating_sub(3);
+        fill(stream, buffer).await?;
+    };
+    let head = String::from_utf8_lossy(&buffer[..end]).into_owned();
+    let field = |name: &str| {
+        head.split("\r\n").skip(1).find_map(|line| {
+            let (field, value) = line.split_once(':')?;
+            field
+                .eq_ignore_ascii_case(name)
+                .then(|| value.trim().to_owned())
+        })
+    };
+    let mut at = end;
+    let mut body = Vec::new();
+    let mut trailers = String::new();
+    if field("transfer-encoding").is_some() {
+        loop {
+            let line_end = loop {
+                if let Some(line_end) = find(&buffer[at..], b"\r\n") {
+                    break at + line_end;
+                }
+                fill(stream, buffer).await?;
+            };
+            let size = std::str::from_utf8(&buffer[at..line_end]).ok()?;
+            let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+            at = line_end + 2;
+            if size == 0 {
+                // The trailer block, up to its empty line.
+                loop {
+                    if let Some(end) = find(&buffer[at - 2..], b"\r\n\r\n") {
+                        trailers = String::from_utf8_lossy(&buffer[at..at + end]).into_owned();
+                        at = at - 2 + end + 4;
+                        break;
+                    }
+                    fill(stream, buffer).await?;
+                }
+                break;
+            }
+            while buffer.len() < at + size + 2 {
+                fill(stream, buffer).await?;
+            }
+            body.extend_from_slice(&buffer[at..at + size]);
+            at += size + 2;
+        }
+    } else if let Some(length) = field("content-length") {
+        let length: usize = length.parse().ok()?;
+        while buffer.len() < at + length {
+            fill(stream, buffer).await?;
+        }
+        body.extend_from_slice(&buffer[at..at + length]);
+        at += length;
+    }
+    buffer.drain(..at);
+    Some((head, body, trailers))
+}
+
+async fn fill(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<()> {
+    let mut chunk = [0u8; 16 * 1024];
+    match stream.read(&mut chunk).await {
+        Ok(0) | Err(_) => None,
+        Ok(read) => {
+            buffer.extend_from_slice(&chunk[..read]);
+            Some(())
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+/// The values of field `name` in a request head, in order.
+fn values<'a>(head: &'a str, name: &str) -> Vec<&'a str> {
+    head.split("\r\n")
+        .skip(1)
+        .filter_map(|line| line.split_once(':'))
+        .filter(|(field, _)| field.eq_ignore_ascii_case(name))
+        .map(|(_, value)| value.trim())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The raw h2c client.
+
+/// A header block of literal fields without indexing, new names, no Huffman coding.
+fn block(fields: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in fields {
+        out.push(0x00);
+        integer(&mut out, 0, name.len());
+        out.extend_from_slice(name);
+        integer(&mut out, 0, value.len());
+        out.extend_from_slice(value);
+    }
+    out
+}
+
+/// An HPACK integer with a 7-bit prefix, the first byte's high bit `high`.
+fn integer(out: &mut Vec<u8>, high: u8, mut value: usize) {
+    if value < 127 {
+        out.push(high | value as u8);
+        return;
+    }
+    out.push(high | 127);
+    value -= 127;
+    while value >= 128 {
+        out.push((value % 128) as u8 | 0x80);
+        value /= 128;
+    }
+    out.push(value as u8);
+}
+
+/// The pseudo-header fields of a request `method path` over h2c, then `rest`.
+fn request<'a>(
+    method: &'a [u8],
+    path: &'a [u8],
+    rest: &[(&'a [u8], &'a [u8])],
+) -> Vec<(&'a [u8], &'a [u8])> {
+    let mut fields: Vec<(&[u8], &[u8])> = vec![
+        (b":method", method),
+        (b":scheme", b"http"),
+        (b":authority", b"router.test"),
+        (b":path", path),
+    ];
+    fields.extend_from_slice(rest);
+    fields
+}
+
+/// How a stream ended, as the client saw it.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// A response head with this status.
+    Status(u16),
+    /// RST_STREAM with this code.
+    Reset(u32),
+    /// GOAWAY with this code.
+    GoAway(u32),
+    /// The connection closed.
+    Closed,
+}
+
+impl Outcome {
+    /// Whether the router refused the request: a reset, a GOAWAY, a close or a 4xx.
+    fn refused(&self) -> bool {
+        match self {
+            Outcome::Status(status) => (400..500).contains(status),
+            _ => true,
+        }
+    }
+}
+
+struct H2 {
+    stream: TcpStream,
+    read: Vec<u8>,
+}
+
+impl H2 {
+    async fn connect(router: &TestRouter) -> Self {
+        let mut stream = TcpStream::connect(router.addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let mut start = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        start.extend_from_slice(&frame(SETTINGS, 0, 0, &[]));
+        stream.write_all(&start).await.unwrap();
+        Self {
+            stream,
+            read: Vec::new(),
+        }
+    }
+
+    /// Writes a frame; `false` if the router no longer reads.
+    async fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) -> bool {
+        self.stream
+            .write_all(&frame(kind, flags, stream, payload))
+            .await
+            .is_ok()
+    }
+
+    /// A request whose header block is `fields`, in one HEADERS frame, ending the stream.
+    async fn headers(&mut self, stream: u32, fields: &[(&[u8], &[u8])], end_stream: bool) {
+        let flags = END_HEADERS | if end_stream { END_STREAM } else { 0 };
+        assert!(self.send(HEADERS, flags, stream, &block(fields)).await);
+    }
+
+    async fn data(&mut self, stream: u32, data: &[u8], end_stream: bool) {
+        let flags = if end_stream { END_STREAM } else { 0 };
+        assert!(self.send(DATA, flags, stream, data).await);
+    }
+
+    /// The next frame: kind, flags, stream and payload; `None` once the connection closed.
+    async fn frame(&mut self) -> Option<(u8, u8, u32, Vec<u8>)> {
+        loop {
+            if self.read.len() >= 9 {
+                let length = usize::from(self.read[0]) << 16
+                    | usize::from(self.read[1]) << 8
+                    | usize::from(self.read[2]);
+                if self.read.len() >= 9 + length {
+                    let head: Vec<u8> = self.read.drain(..9).collect();
+                    let payload = self.read.drain(..length).collect();
+                    let stream =
+                        u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+                    return Some((head[3], head[4], stream, payload));
+                }
+            }
+            let mut chunk = [0u8; 16 * 1024];
+            match self.stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return None,
+                Ok(read) => self.read.extend_from_slice(&chunk[..read]),
+            }
+        }
+    }
+
+    /// How stream `id` ends (the first response head counts as its end).
+    async fn outcome(&mut self, id: u32) -> Outcome {
+        let waited = async {
+            loop {
+                let Some((kind, flags, stream, payload)) = self.frame().await else {
+                    return Outcome::Closed;
+                };
+                match kind {
+                    SETTINGS if flags & ACK == 0 => {
+                        self.send(SETTINGS, ACK, 0, &[]).await;
+                    }
+                    PING if flags & ACK == 0 => {
+                        self.send(PING, ACK, 0, &payload).await;
+                    }
+                    GOAWAY => {
+                        return Outcome::GoAway(u32::from_be_bytes(
+                            payload[4..8].try_into().unwrap(),
+                        ));
+                    }
+                    RST_STREAM if stream == id => {
+                        return Outcome::Reset(u32::from_be_bytes(
+                            payload[..4].try_into().unwrap(),
+                        ));
+                    }
+                    HEADERS if stream == id => return Outcome::Status(status(&payload)),
+                    _ => {}
+                }
+            }
+        };
+        tokio::time::timeout(LIMIT, waited)
+            .await
+            .expect("the stream ends in time")
+    }
+}
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let length = payload.len();
+    let mut out = vec![
+        (length >> 16) as u8,
+        (length >> 8) as u8,
+        length as u8,
+        kind,
+        flags,
+    ];
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// The `:status` of a response header block that starts with it (as hyper writes it: an
+/// indexed field of the static table, or a literal with its name indexed and a Huffman-coded or
+/// plain value of three digits).
+fn status(block: &[u8]) -> u16 {
+    let mut at = 0;
+    // Dynamic table size updates first.
+    while block[at] & 0xe0 == 0x20 {
+        at += 1;
+    }
+    let first = block[at];
+    if first & 0x80 != 0 {
+        return match first & 0x7f {
+            8 => 200,
+            9 => 204,
+            10 => 206,
+            11 => 304,
+            12 => 400,
+            13 => 404,
+            14 => 500,
+            index => panic!("status at index {index}"),
+        };
+    }
+    // A literal whose name is `:status` (index 8), with or without indexing.
+    assert!(first == 0x48 || first == 0x08 || first == 0x18, "{block:?}");
+    let value = block[at + 1];
+    let bytes = &block[at + 2..at + 2 + usize::from(value & 0x7f)];
+    if value & 0x80 == 0 {
+        return std::str::from_utf8(bytes).unwrap().parse().unwrap();
+    }
+    // Huffman-coded digits: 0-2 take five bits, 3-9 six (RFC 7541 Appendix B).
+    let bit = |index: usize| u16::from(bytes[index / 8] >> (7 - index % 8) & 1);
+    let (mut index, mut status) = (0, 0);
+    for _ in 0..3 {
+        let five = (0..5).fold(0, |code, _| {
+            index += 1;
+            code << 1 | bit(index - 1)
+        });
+        let digit = if five <= 2 {
+            five
+        } else {
+            index += 1;
+            (five << 1 | bit(index - 1)) - 22
+        };
+        status = status * 10 + digit;
+    }
+    status
+}
+
+// ---------------------------------------------------------------------------------------------
+// The router.
+
+async fn router_with(backend: &Backend, config: Config) -> TestRouter {
+    let router = start_router(config).await;
+    set_backends(router.addr, std::slice::from_ref(&backend.addr)).await;
+    router
+}
+
+async fn router(backend: &Backend) -> TestRouter {
+    router_with(backend, round_robin()).await
+}
+
+/// A router that streams request bodies of more than 8 bytes instead of reading them whole.
+async fn streaming_router(backend: &Backend) -> TestRouter {
+    let mut config = round_robin();
+    config.retry.body_limit = 8;
+    router_with(backend, config).await
+}
+
+/// Sends the marker request on a new connection and waits for its answer.
+async fn marker(router: &TestRouter) {
+    let mut h2 = H2::connect(router).await;
+    h2.headers(1, &request(b"GET", b"/marker", &[]), true).await;
+    assert_eq!(h2.outcome(1).await, Outcome::Status(200));
+}
+
+/// `fields` as text, for failure messages.
+fn shown(fields: &[(&[u8], &[u8])]) -> Vec<(String, String)> {
+    fields
+        .iter()
+        .map(|(name, value)| {
+            (
+                String::from_utf8_lossy(name).into_owned(),
+                String::from_utf8_lossy(value).into_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Sends a bodiless request of `fields` on a connection of its own and asserts that the router
+/// refused it and that nothing reached the backend.
+async fn refused(router: &TestRouter, backend: &mut Backend, fields: &[(&[u8], &[u8])]) {
+    let mut h2 = H2::connect(router).await;
+    h2.headers(1, fields, true).await;
+    let outcome = h2.outcome(1).await;
+    let shown = shown(fields);
+    assert!(outcome.refused(), "{shown:?}: {outcome:?}");
+    marker(router).await;
+    let seen = backend.before_marker().await;
+    assert!(
+        seen.iter()
+            .all(|seen| matches!(seen, Seen::Closed { left, .. } if left.is_empty())),
+        "{shown:?}: {seen:?}"
+    );
+}
+
+/// Sends a bodiless request of `fields` and returns the head the backend got.
+async fn forwarded(
+    router: &TestRouter,
+    backend: &mut Backend,
+    fields: &[(&[u8], &[u8])],
+) -> String {
+    let mut h2 = H2::connect(router).await;
+    h2.headers(1, fields, true).await;
+    assert_eq!(h2.outcome(1).await, Outcome::Status(200), "{fields:?}");
+    let (_, head, body) = backend.next_request().await;
+    assert!(body.is_empty());
+    head
+}
+
+// ---------------------------------------------------------------------------------------------
+// The vectors.
+
+#[tokio::test]
+async fn a_plain_request_and_one_in_headers_and_continuation_arrive_whole() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    let mut h2 = H2::connect(&router).await;
+    h2.headers(1, &request(b"POST", b"/a?b=1", &[(b"x-a", b"1")]), false)
+        .await;
+    h2.data(1, b"hello", true).await;
+    assert_eq!(h2.outcome(1).await, Outcome::Status(200));
+    let (_, head, body) = backend.next_request().await;
+    assert!(head.starts_with("POST /a?b=1 HTTP/1.1\r\n"), "{head}");
+    assert_eq!(values(&head, "host"), ["router.test"]);
+    assert_eq!(values(&head, "x-a"), ["1"]);
+    assert_eq!(values(&head, "content-length"), ["5"]);
+    assert_eq!(body, b"hello");
+
+    let fields = block(&request(
+        b"GET",
+        b"/continued",
+        &[(b"x-first", b"1"), (b"x-second", b"2")],
+    ));
+    let (first, rest) = fields.split_at(fields.len() / 2);
+    assert!(h2.send(HEADERS, END_STREAM, 3, first).await);
+    let (middle, last) = rest.split_at(rest.len() / 2);
+    assert!(h2.send(CONTINUATION, 0, 3, middle).await);
+    assert!(h2.send(CONTINUATION, END_HEADERS, 3, last).await);
+    assert_eq!(h2.outcome(3).await, Outcome::Status(200));
+    let (_, head, _) = backend.next_request().await;
+    assert!(head.starts_with("GET /continued HTTP/1.1\r\n"), "{head}");
+    assert_eq!(values(&head, "x-first"), ["1"]);
+    assert_eq!(values(&head, "x-second"), ["2"]);
+}
+
+#[tokio::test]
+async fn field_values_with_cr_lf_or_nul_reach_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    for value in [
+        &b"a\r\nx-injected: 1"[..],
+        b"a\nx-injected: 1",
+        b"a\rb",
+        b"a\0b",
+        b"a\r\n\r\nGET /smuggled HTTP/1.1",
+    ] {
+        refused(
+            &router,
+            &mut backend,
+            &request(b"GET", b"/", &[(b"x-a", value)]),
+        )
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn field_names_with_spaces_colons_or_line_ends_reach_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    for name in [
+        &b"x a"[..],
+        b"x:a",
+        b"x-a:",
+        b"x\r\nx-injected",
+        b"x\na",
+        b"x\0a",
+        b"",
+        b":bogus",
+    ] {
+        refused(
+            &router,
+            &mut backend,
+            &request(b"GET", b"/", &[(name, b"1")]),
+        )
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn an_uppercase_field_name_goes_out_as_one_well_formed_field() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    let mut h2 = H2::connect(&router).await;
+    h2.headers(1, &request(b"GET", b"/", &[(b"X-Upper", b"1")]), true)
+        .await;
+    let outcome = h2.outcome(1).await;
+    marker(&router).await;
+    let seen = backend.before_marker().await;
+    // Refused (as RFC 9113 §8.2.1 asks), or forwarded with the name lowercased: never anything
+    // else.
+    if outcome == Outcome::Status(200) {
+        let [Seen::Request { head, body, .. }] = &seen[..] else {
+            panic!("{seen:?}");
+        };
+        assert!(head.starts_with("GET / HTTP/1.1\r\n"));
+        assert_eq!(values(head, "x-upper"), ["1"]);
+        assert!(body.is_empty());
+    } else {
+        assert!(outcome.refused(), "{outcome:?}");
+        assert!(seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })));
+    }
+}
+
+#[tokio::test]
+async fn a_path_with_a_space_a_line_end_or_no_leading_slash_reaches_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    for path in [
+        &b"/a HTTP/1.1\r\nHost: x\r\n\r\nGET /smuggled"[..],
+        b"/a b",
+        b"/a\r\nx-injected: 1",
+        b"/a\nb",
+        b"/a\0b",
+        b"",
+        b"a",
+        b"http://elsewhere.test/a",
+        b"?a=1",
+        b"*",
+    ] {
+        refused(&router, &mut backend, &request(b"GET", path, &[])).await;
+    }
+}
+
+#[tokio::test]
+async fn an_asterisk_path_goes_out_only_with_options() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    let head = forwarded(&router, &mut backend, &request(b"OPTIONS", b"*", &[])).await;
+    assert!(head.starts_with("OPTIONS * HTTP/1.1\r\n"), "{head}");
+}
+
+#[tokio::test]
+async fn a_method_with_a_space_or_line_end_reaches_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    for method in [
+        &b"GET /smuggled HTTP/1.1\r\n\r\nGET"[..],
+        b"GET /x",
+        b"G\r\nET",
+        b"GET\0",
+        b"",
+    ] {
+        refused(&router, &mut backend, &request(method, b"/", &[])).await;
+    }
+    // A lowercase method is a token like any other: it goes out as it came (case matters).
+    let head = forwarded(&router, &mut backend, &request(b"get", b"/lower", &[])).await;
+    assert!(head.starts_with("get /lower HTTP/1.1\r\n"), "{head}");
+}
+
+#[tokio::test]
+async fn connection_specific_fields_make_the_request_malformed() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    for (name, value) in [
+        (&b"connection"[..], &b"close"[..]),
+        (b"connection", b"x-secret"),
+        (b"transfer-encoding", b"chunked"),
+        (b"keep-alive", b"timeout=5"),
+        (b"upgrade", b"websocket"),
+        (b"proxy-connection", b"keep-alive"),
+        (b"te", b"gzip"),
+        (b"te", b"trailers, gzip"),
+    ] {
+        refused(
+            &router,
+            &mut backend,
+            &request(b"GET", b"/", &[(name, value)]),
+        )
+        .await;
+    }
+    // `te: trailers` is allowed, and not forwarded (it is hop-by-hop).
+    let head = forwarded(
+        &router,
+        &mut backend,
+        &request(b"GET", b"/te", &[(b"te", b"trailers")]),
+    )
+    .await;
+    assert!(values(&head, "te").is_empty(), "{head}");
+}
+
+#[tokio::test]
+async fn a_content_length_that_disagrees_with_the_data_sends_no_whole_request() {
+    let mut backend = Backend::start().await;
+    for streaming in [false, true] {
+        let router = if streaming {
+            streaming_router(&backend).await
+        } else {
+            router(&backend).await
+        };
+        for (length, data) in [
+            (&b"20"[..], &b"0123456789"[..]),
+            (b"5", b"0123456789"),
+            (b"1", b""),
+        ] {
+            let mut h2 = H2::connect(&router).await;
+            let fields = request(b"POST", b"/length", &[(b"content-length", length)]);
+            h2.headers(1, &fields, data.is_empty()).await;
+            if !data.is_empty() {
+                h2.data(1, data, true).await;
+            }
+            let outcome = h2.outcome(1).await;
+            assert!(outcome.refused(), "{length:?}: {outcome:?}");
+            marker(&router).await;
+            let seen = backend.before_marker().await;
+            // At most part of the request, on a connection that was then closed.
+            assert!(
+                seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
+                "{streaming} {length:?}: {seen:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn host_disagreeing_with_the_authority_goes_out_as_one_host() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    let head = forwarded(
+        &router,
+        &mut backend,
+        &request(b"GET", b"/host", &[(b"host", b"a.test")]),
+    )
+    .await;
+    assert_eq!(values(&head, "host"), ["a.test"], "{head}");
+    // Without `:authority`, the `Host`; without either, the backend's.
+    let fields: [(&[u8], &[u8]); 4] = [
+        (b":method", b"GET"),
+        (b":scheme", b"http"),
+        (b":path", b"/host"),
+        (b"host", b"b.test"),
+    ];
+    let head = forwarded(&router, &mut backend, &fields).await;
+    assert_eq!(values(&head, "host"), ["b.test"], "{head}");
+    let head = forwarded(&router, &mut backend, &fields[..3]).await;
+    assert_eq!(values(&head, "host"), [backend.addr.as_str()], "{head}");
+}
+
+#[tokio::test]
+async fn connect_and_extended_connect_reach_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    refused(
+        &router,
+        &mut backend,
+        &[
+            (b":method", b"CONNECT"),
+            (b":authority", b"elsewhere.test:443"),
+        ],
+    )
+    .await;
+    refused(
+        &router,
+        &mut backend,
+        &request(b"CONNECT", b"/chat", &[(b":protocol", b"websocket")]),
+    )
+    .await;
+    // A `:protocol` on another method is malformed.
+    refused(
+        &router,
+        &mut backend,
+        &request(b"GET", b"/chat", &[(b":protocol", b"websocket")]),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
+    let mut backend = Backend::start().await;
+    // Read whole (the trailers are dropped) and streamed (sent in the chunked trailer block).
+    for streaming in [false, true] {
+        let router = if streaming {
+            streaming_router(&backend).await
+        } else {
+            router(&backend).await
+        };
+        let mut h2 = H2::connect(&router).await;
+        h2.headers(1, &request(b"POST", b"/trailers", &[]), false)
+            .await;
+        h2.data(1, b"0123456789", false).await;
+        let trailers = block(&[
+            (b"x-checksum", b"1"),
+            (b"content-length", b"1000"),
+            (b"host", b"elsewhere.test"),
+        ]);
+        assert!(
+            h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &trailers)
+                .await
+        );
+        assert_eq!(h2.outcome(1).await, Outcome::Status(200));
+        let (head, body, trailers) = loop {
+            if let Seen::Request {
+                head,
+                body,
+                trailers,
+                ..
+            } = backend.next().await
+            {
+                break (head, body, trailers);
+            }
+        };
+        assert_eq!(body, b"0123456789", "{head}");
+        let expected = if streaming { "x-checksum: 1\r\n" } else { "" };
+        assert_eq!(trailers, expected, "{head}");
+        assert_eq!(values(&head, "host"), ["router.test"], "{head}");
+        assert!(values(&head, "content-length").len() <= 1, "{head}");
+
+        // A pseudo-header field in trailers: h2 leaves it out of the trailer map, so the
+        // request goes out without it (or is refused), never with it as a field or target.
+        let mut h2 = H2::connect(&router).await;
+        h2.headers(1, &request(b"POST", b"/trailers", &[]), false)
+            .await;
+        h2.data(1, b"0123456789", false).await;
+        let trailers = block(&[(b":path", b"/smuggled")]);
+        assert!(
+            h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &trailers)
+                .await
+        );
+        let outcome = h2.outcome(1).await;
+        marker(&router).await;
+        for seen in backend.before_marker().await {
+            if let Seen::Request { head, body, .. } = seen {
+                assert_eq!(outcome, Outcome::Status(200));
+                assert!(head.starts_with("POST /trailers HTTP/1.1\r\n"), "{head}");
+                assert!(!head.contains("smuggled"), "{head}");
+                assert_eq!(body, b"0123456789");
+            }
+        }
+
+        // Connection-specific fields or pseudo-header fields in trailers: the request is
+        // malformed, and no whole request reaches the backend.
+        for trailer in [
+            &[(&b"transfer-encoding"[..], &b"chunked"[..])][..],
+            &[(b"connection", b"close")],
+            &[(b"x-a", b"1\r\nx-injected: 1")],
+        ] {
+            let mut h2 = H2::connect(&router).await;
+            h2.headers(1, &request(b"POST", b"/trailers", &[]), false)
+                .await;
+            h2.data(1, b"0123456789", false).await;
+            assert!(
+                h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &block(trailer))
+                    .await
+            );
+            let outcome = h2.outcome(1).await;
+            assert!(outcome.refused(), "{trailer:?}: {outcome:?}");
+            marker(&router).await;
+            let seen = backend.before_marker().await;
+            assert!(
+                seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
+                "{streaming} {trailer:?}: {seen:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_huge_header_list_or_endless_continuation_ends_the_stream_or_connection() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    // Far more than `limits.max_header_bytes` (64 KiB) in one block, over many CONTINUATIONs.
+    let value = vec![b'v'; 4000];
+    let mut h2 = H2::connect(&router).await;
+    let first = block(&request(b"GET", b"/huge", &[]));
+    assert!(h2.send(HEADERS, END_STREAM, 1, &first).await);
+    let mut ended = false;
+    for index in 0..2000 {
+        let name = format!("x-{index}");
+        let fragment = block(&[(name.as_bytes(), &value)]);
+        if !h2.send(CONTINUATION, 0, 1, &fragment).await {
+            ended = true;
+            break;
+        }
+    }
+    if !ended {
+        let outcome = h2.outcome(1).await;
+        assert!(outcome.refused(), "{outcome:?}");
+    }
+    // Empty CONTINUATION frames, without end.
+    let mut h2 = H2::connect(&router).await;
+    assert!(h2.send(HEADERS, END_STREAM, 1, &first).await);
+    let empty = frame(CONTINUATION, 0, 1, &[]);
+    let mut endless = Vec::new();
+    for _ in 0..10_000 {
+        endless.extend_from_slice(&empty);
+    }
+    let mut ended = false;
+    for _ in 0..100 {
+        if h2.stream.write_all(&endless).await.is_err() {
+            ended = true;
+            break;
+        }
+    }
+    if !ended {
+        let outcome = h2.outcome(1).await;
+        assert!(outcome.refused(), "{outcome:?}");
+    }
+    marker(&router).await;
+    let seen = backend.before_marker().await;
+    assert!(
+        seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
+        "{seen:?}"
+    );
+    assert!(backend.accepted.load(Ordering::SeqCst) >= 1);
+}

@@ -253,12 +253,21 @@ async fn serve_h2(
 /// Why an HTTP/2 request that hyper accepted is answered 400 instead of being forwarded, if it
 /// is: what the backend would read from its HTTP/1.1 head must be what the client asked.
 fn h2_refusal(request: &Request<hyper::body::Incoming>) -> Option<&'static str> {
+    // One `Host` and one `Content-Length` at most (RFC 9112 §3.2, §6.3), as the HTTP/1 server
+    // and nginx require: h2 only checks that repeated lengths agree, and a backend would read
+    // repeated fields as it likes.
+    let headers = request.headers();
+    for (name, refusal) in [
+        (http::header::HOST, "duplicate Host"),
+        (http::header::CONTENT_LENGTH, "duplicate Content-Length"),
+    ] {
+        if headers.get_all(name).iter().nth(1).is_some() {
+            return Some(refusal);
+        }
+    }
     // The `Host` (else the `:authority`) goes to the backend as it is: held to the HTTP/1
     // server's rule.
-    let host = request
-        .headers()
-        .get(http::header::HOST)
-        .map(|host| host.as_bytes());
+    let host = headers.get(http::header::HOST).map(|host| host.as_bytes());
     let host = host.or_else(|| Some(request.uri().authority()?.as_str().as_bytes()));
     if host.is_some_and(|host| !h1::server::valid_host(host)) {
         return Some("invalid Host");

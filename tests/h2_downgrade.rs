@@ -738,6 +738,23 @@ async fn a_content_length_that_disagrees_with_the_data_sends_no_whole_request() 
 }
 
 #[tokio::test]
+async fn two_content_lengths_or_two_hosts_reach_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    for fields in [
+        &[
+            (&b"content-length"[..], &b"0"[..]),
+            (b"content-length", b"0"),
+        ][..],
+        &[(b"content-length", b"0"), (b"content-length", b"1")],
+        &[(b"host", b"a.test"), (b"host", b"b.test")],
+        &[(b"host", b"a.test"), (b"host", b"a.test")],
+    ] {
+        refused(&router, &mut backend, &request(b"POST", b"/", fields)).await;
+    }
+}
+
+#[tokio::test]
 async fn host_disagreeing_with_the_authority_goes_out_as_one_host() {
     let mut backend = Backend::start().await;
     let router = router(&backend).await;

@@ -118,6 +118,15 @@ impl Body for H2Body {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
+            // hyper ends the body of a stream the client reset with NO_ERROR as if the client
+            // had ended it: without END_STREAM, the body was cut short.
+            Poll::Ready(None) if !this.inner.is_end_stream() => {
+                let error = std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "the client reset the stream before the end of the body",
+                );
+                Poll::Ready(Some(Err(Box::new(error))))
+            }
             Poll::Ready(frame) => {
                 this.stall.progressed();
                 Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))

@@ -31,6 +31,9 @@ const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const ACK: u8 = 0x1;
 
+const NO_ERROR: u32 = 0x0;
+const CANCEL: u32 = 0x8;
+
 // ---------------------------------------------------------------------------------------------
 // The backend: records each request as the bytes it read, and what was left when a connection
 // ended.
@@ -46,8 +49,8 @@ enum Seen {
         /// The chunked trailer block (empty for other framings).
         trailers: String,
     },
-    /// A connection ended, with `left` bytes read that made no whole request.
-    Closed { left: Vec<u8> },
+    /// Connection `connection` ended, with `left` bytes read that made no whole request.
+    Closed { connection: usize, left: Vec<u8> },
 }
 
 struct Backend {
@@ -101,12 +104,20 @@ impl Backend {
 
     /// What the backend saw before the marker request (a `GET /marker`), which comes next.
     async fn before_marker(&mut self) -> Vec<Seen> {
+        self.until_marker().await.0
+    }
+
+    /// What the backend saw before the marker request, and the connection that carried it.
+    async fn until_marker(&mut self) -> (Vec<Seen>, usize) {
         let mut seen = Vec::new();
         loop {
             let next = self.next().await;
-            if let Seen::Request { head, .. } = &next {
+            if let Seen::Request {
+                head, connection, ..
+            } = &next
+            {
                 if head.starts_with("GET /marker ") {
-                    return seen;
+                    return (seen, *connection);
                 }
             }
             seen.push(next);
@@ -129,7 +140,10 @@ async fn serve(mut stream: TcpStream, connection: usize, sink: mpsc::UnboundedSe
             break;
         }
     }
-    let _ = sink.send(Seen::Closed { left: buffer });
+    let _ = sink.send(Seen::Closed {
+        connection,
+        left: buffer,
+    });
 }
 
 /// Reads one request; `None` when the connection ends first (what was read stays in `buffer`).
@@ -325,6 +339,10 @@ impl H2 {
     async fn headers(&mut self, stream: u32, fields: &[(&[u8], &[u8])], end_stream: bool) {
         let flags = END_HEADERS | if end_stream { END_STREAM } else { 0 };
         assert!(self.send(HEADERS, flags, stream, &block(fields)).await);
+    }
+
+    async fn reset(&mut self, stream: u32, code: u32) {
+        assert!(self.send(RST_STREAM, 0, stream, &code.to_be_bytes()).await);
     }
 
     async fn data(&mut self, stream: u32, data: &[u8], end_stream: bool) {
@@ -892,6 +910,53 @@ async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
                 seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
                 "{streaming} {trailer:?}: {seen:?}"
             );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_stream_reset_mid_body_sends_no_whole_request_and_closes_the_backend_connection() {
+    let mut backend = Backend::start().await;
+    for streaming in [false, true] {
+        let router = if streaming {
+            streaming_router(&backend).await
+        } else {
+            router(&backend).await
+        };
+        for code in [NO_ERROR, CANCEL] {
+            for length in [None, Some(&b"20"[..])] {
+                // A connection to the backend that a later request would reuse.
+                marker(&router).await;
+                backend.next_request().await;
+                let mut h2 = H2::connect(&router).await;
+                let fields = match length {
+                    Some(length) => request(b"POST", b"/reset", &[(b"content-length", length)]),
+                    None => request(b"POST", b"/reset", &[]),
+                };
+                h2.headers(1, &fields, false).await;
+                h2.data(1, b"0123456789", false).await;
+                // Let the router read the part sent before it is reset.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                h2.reset(1, code).await;
+                // The next request on the same client connection.
+                h2.headers(3, &request(b"GET", b"/marker", &[]), true).await;
+                assert_eq!(h2.outcome(3).await, Outcome::Status(200));
+                let (seen, marker) = backend.until_marker().await;
+                let context = format!("{streaming} {code} {length:?}: {seen:?}");
+                assert!(
+                    seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
+                    "{context}"
+                );
+                // A connection that carried part of the request was closed, not reused (the
+                // marker's bytes would have been read as the rest of that request).
+                for seen in &seen {
+                    if let Seen::Closed { connection, left } = seen {
+                        if !left.is_empty() {
+                            assert_ne!(*connection, marker, "{context}");
+                        }
+                    }
+                }
+            }
         }
     }
 }

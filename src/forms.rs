@@ -159,7 +159,10 @@ pub mod list {
             Many(Vec<String>),
             One(String),
         }
-        let entries: Vec<String> = match List::deserialize(deserializer)? {
+        let list = List::deserialize(deserializer).map_err(|_| {
+            D::Error::custom("expected an array of strings or one comma-separated string")
+        })?;
+        let entries: Vec<String> = match list {
             List::Many(items) => items,
             List::One(text) => text
                 .split(',')
@@ -277,14 +280,14 @@ pub mod text {
             Signed(i64),
             Float(f64),
         }
-        Ok(
-            Option::<Scalar>::deserialize(deserializer)?.map(|value| match value {
-                Scalar::Text(text) => text,
-                Scalar::Unsigned(n) => n.to_string(),
-                Scalar::Signed(n) => n.to_string(),
-                Scalar::Float(n) => n.to_string(),
-            }),
-        )
+        let scalar = Option::<Scalar>::deserialize(deserializer)
+            .map_err(|_| D::Error::custom("expected a string or a number"))?;
+        Ok(scalar.map(|value| match value {
+            Scalar::Text(text) => text,
+            Scalar::Unsigned(n) => n.to_string(),
+            Scalar::Signed(n) => n.to_string(),
+            Scalar::Float(n) => n.to_string(),
+        }))
     }
 }
 

@@ -171,6 +171,7 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
     let moved = config_file("moved.toml", "port = 1\nqueue_timeout = 5\n");
     let negative = config_file("negative.toml", "[queue]\ntimeout = -1\n");
     let bad_cidr = config_file("cidr.toml", "[admin]\nbackend_allow_cidrs = [\"nope\"]\n");
+    let bad_list = config_file("list.toml", "backends = [1]\n");
     let missing = std::env::temp_dir().join("custom-router-no-such-file.toml");
     let missing = missing.to_str().unwrap();
     let cases: Vec<ErrorCase> = vec![
@@ -283,6 +284,15 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
             vec!["--config", bad_cidr.to_str().unwrap()],
             vec![],
             vec!["key `admin.backend_allow_cidrs` in", "cidr.toml", "nope"],
+        ),
+        (
+            vec!["--config", bad_list.to_str().unwrap()],
+            vec![],
+            vec![
+                "key `backends` in",
+                "list.toml",
+                "expected an array of strings or one comma-separated string",
+            ],
         ),
         (
             vec![],

@@ -378,9 +378,9 @@ async fn a_slow_header_client_loses_its_slot_at_the_header_timeout() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_timeout() {
-    // The backend streams for as long as anyone takes its bytes.
+/// A backend that streams for as long as anyone takes its bytes, behind a round-robin router
+/// whose send timeout is 500 ms; the series of the backend's in-flight count.
+async fn endless_answer_behind_a_router() -> (FakeBackend, TestRouter, String) {
     let backend = spawn_backend(|_request| async move {
         let (sender, body) = channel_body();
         tokio::spawn(async move {
@@ -398,6 +398,12 @@ async fn a_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_tim
         "custom_router_backend_inflight_requests{{addr=\"{}\"}}",
         backend.host_port()
     );
+    (backend, router, in_flight)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_timeout() {
+    let (_backend, router, in_flight) = endless_answer_behind_a_router().await;
     // The client asks, reads the head, then reads nothing more while the answer keeps coming.
     let mut stalled = TcpStream::connect(router.addr).await.unwrap();
     stalled
@@ -469,24 +475,7 @@ async fn an_h2c_client_that_stops_sending_its_body_gives_the_backend_slot_back()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2c_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_timeout() {
-    // The backend streams for as long as anyone takes its bytes.
-    let backend = spawn_backend(|_request| async move {
-        let (sender, body) = channel_body();
-        tokio::spawn(async move {
-            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
-            while sender.send(chunk.clone()).await.is_ok() {}
-        });
-        http::Response::new(body)
-    })
-    .await;
-    let mut config = with_strategy("round-robin");
-    config.limits.send_timeout = Duration::from_millis(500);
-    let router = start_router(config).await;
-    set_backends(router.addr, &[backend.host_port()]).await;
-    let in_flight = format!(
-        "custom_router_backend_inflight_requests{{addr=\"{}\"}}",
-        backend.host_port()
-    );
+    let (_backend, router, in_flight) = endless_answer_behind_a_router().await;
     // The client takes the answer's head and then reads nothing: the stream's flow-control
     // window fills and the router has nowhere to put the backend's bytes.
     let stream = TcpStream::connect(router.addr).await.unwrap();

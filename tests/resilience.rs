@@ -156,7 +156,18 @@ async fn streaming_backend(events: usize, gap: Duration) -> FakeBackend {
 
 /// Reads a whole streamed response: `Ok(events)` or the error that ended it.
 async fn read_stream(url: String) -> Result<usize, String> {
-    let response = client()
+    read_stream_with(client(), url).await
+}
+
+/// [`read_stream`] through `client` (an h2c one, say).
+async fn read_stream_with(
+    client: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        TestBody,
+    >,
+    url: String,
+) -> Result<usize, String> {
+    let response = client
         .request(Request::get(url).body(full("")).unwrap())
         .await
         .map_err(|e| e.to_string())?;
@@ -304,8 +315,14 @@ async fn sigterm_drains_200_streams_to_completion_and_health_says_draining() {
     ]);
     set_backends(router.addr, &[backend.host_port()]).await;
     let url = format!("http://{}/stream", router.addr);
+    // 180 over HTTP/1.1, 20 as streams of one h2c connection (told GOAWAY when the router
+    // drains, which must let its open streams finish).
+    let h2c = h2c_client();
     let streams: Vec<_> = (0..200)
-        .map(|_| tokio::spawn(read_stream(url.clone())))
+        .map(|index| match index % 10 {
+            0 => tokio::spawn(read_stream_with(h2c.clone(), url.clone())),
+            _ => tokio::spawn(read_stream(url.clone())),
+        })
         .collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while backend.hits() < 200 {

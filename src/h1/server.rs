@@ -2023,6 +2023,35 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_slowly_but_keeps_reading_is_not_cut_off() {
+        let (_drain, draining) = watch::channel(false);
+        let limits = Limits {
+            send_timeout: Duration::from_secs(30),
+            ..test_limits()
+        };
+        let held = Arc::new(());
+        let (mut client, mut served) = scripted(limits, draining, Endless(Arc::clone(&held)));
+        client
+            .write_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // A read every 20 s, 2 minutes long: each write waits less than the timeout.
+        let reader = async {
+            let mut chunk = vec![0u8; 16 * 1024];
+            for _ in 0..6 {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                assert!(client.read(&mut chunk).await.unwrap() > 0);
+            }
+        };
+        tokio::select! {
+            () = &mut served => panic!("the connection was closed while its client kept reading"),
+            () = reader => {}
+        }
+        // The test's count, the handler's and the answer's: the answer is still being sent.
+        assert_eq!(Arc::strong_count(&held), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_client_that_stops_reading_is_cut_off_after_the_send_timeout() {
         let (_drain, draining) = watch::channel(false);
         let limits = Limits {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use custom_router::balancer::{Balancer, Finish, Lease, Rejection};
+use custom_router::balancer::{Admission as QueuedAs, Balancer, Finish, Lease, Rejection};
 use custom_router::config::{Config, Settings};
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
@@ -44,9 +44,14 @@ const QUEUED: usize = 10_000;
 
 type Admission = Pin<Box<dyn Future<Output = Result<Lease, Rejection>>>>;
 
-fn admission(balancer: &Arc<Balancer>) -> Admission {
+/// A request of `tenant` (0: none), queued as a `normal` one.
+fn admission(balancer: &Arc<Balancer>, tenant: u64) -> Admission {
     let balancer = Arc::clone(balancer);
-    Box::pin(async move { balancer.admit(RequestInfo::default()).await })
+    let queued = QueuedAs {
+        tenant,
+        ..QueuedAs::default()
+    };
+    Box::pin(async move { balancer.admit_as(RequestInfo::default(), queued).await })
 }
 
 fn poll(admission: &mut Admission) -> Poll<Result<Lease, Rejection>> {
@@ -60,9 +65,13 @@ struct Loaded {
     balancer: Arc<Balancer>,
     held: Vec<Lease>,
     waiting: VecDeque<Admission>,
+    /// Whether each queued request is a tenant of its own (else none has a tenant).
+    tenants: bool,
+    /// The tenant of the next request, when `tenants`.
+    next_tenant: u64,
 }
 
-fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
+fn loaded(strategy: &str, params: &[(&str, &str)], tenants: bool) -> Loaded {
     let mut config = Config::default();
     config.strategy.name = strategy.to_owned();
     for (key, value) in params {
@@ -72,6 +81,9 @@ fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
             .insert((*key).into(), figment::value::Value::from(*value));
     }
     config.queue.max_size = QUEUED + 2000;
+    // Loading the queue takes long enough (with a tenant per request, most of a second) that
+    // the first measured dispatch rate is low: a long timeout keeps every request patient.
+    config.queue.timeout = std::time::Duration::from_secs(1_000_000);
     let balancer = Settings::from_config(config).unwrap().balancer().unwrap();
     let addrs = (0..BACKENDS)
         .map(|i| {
@@ -83,7 +95,7 @@ fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
     balancer.set_backends(addrs);
     // Probe every backend once so each has a measurement.
     let probes: Vec<Lease> = (0..BACKENDS)
-        .map(|_| match poll(&mut admission(&balancer)) {
+        .map(|_| match poll(&mut admission(&balancer, 0)) {
             Poll::Ready(Ok(lease)) => lease,
             _ => panic!("a fresh backend takes a probe"),
         })
@@ -98,8 +110,10 @@ fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
     }
     let mut held = Vec::new();
     let mut waiting = VecDeque::new();
+    let mut next_tenant = 1;
     while waiting.len() < QUEUED {
-        let mut next = admission(&balancer);
+        let mut next = admission(&balancer, if tenants { next_tenant } else { 0 });
+        next_tenant += 1;
         match poll(&mut next) {
             Poll::Ready(Ok(lease)) => held.push(lease),
             Poll::Ready(Err(rejection)) => panic!("{rejection:?}"),
@@ -111,6 +125,8 @@ fn loaded(strategy: &str, params: &[(&str, &str)]) -> Loaded {
         balancer,
         held,
         waiting,
+        tenants,
+        next_tenant,
     }
 }
 
@@ -123,14 +139,17 @@ impl Loaded {
             Poll::Ready(Ok(lease)) => self.held.push(lease),
             other => panic!("the head was not dispatched: {:?}", other.map(|r| r.err())),
         }
-        let mut next = admission(&self.balancer);
-        assert!(poll(&mut next).is_pending());
+        let tenant = if self.tenants { self.next_tenant } else { 0 };
+        self.next_tenant += 1;
+        let mut next = admission(&self.balancer, tenant);
+        let polled = poll(&mut next);
+        assert!(polled.is_pending(), "{:?}", polled.map(|r| r.err()));
         self.waiting.push_back(next);
     }
 }
 
-/// A label, a strategy name and its params.
-type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+/// A label, a strategy name, its params, and whether each queued request is its own tenant.
+type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], bool);
 
 fn pick_and_dispatch(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -138,17 +157,29 @@ fn pick_and_dispatch(c: &mut Criterion) {
         .build()
         .unwrap();
     let _context = runtime.enter();
-    let cases: [Case; 2] = [
-        ("queued-least-latency (load)", "queued-least-latency", &[]),
+    let cases: [Case; 3] = [
+        (
+            "queued-least-latency (load)",
+            "queued-least-latency",
+            &[],
+            false,
+        ),
         (
             "queued-least-latency (ewma)",
             "queued-least-latency",
             &[("score", "ewma")],
+            false,
+        ),
+        (
+            "queued-least-latency (load), a tenant per queued request",
+            "queued-least-latency",
+            &[],
+            true,
         ),
     ];
-    for (label, strategy, params) in cases {
+    for (label, strategy, params, tenants) in cases {
         let before = LIVE_BYTES.load(Ordering::Relaxed);
-        let mut state = loaded(strategy, params);
+        let mut state = loaded(strategy, params, tenants);
         let held_bytes = LIVE_BYTES.load(Ordering::Relaxed) - before;
         // What 10 000 queued requests hold (their futures, queue entries and reply channels),
         // over what the in-flight leases and the balancer hold.
@@ -156,7 +187,7 @@ fn pick_and_dispatch(c: &mut Criterion) {
             let before_queue = LIVE_BYTES.load(Ordering::Relaxed);
             let extra: Vec<Admission> = (0..1000)
                 .map(|_| {
-                    let mut next = admission(&state.balancer);
+                    let mut next = admission(&state.balancer, 0);
                     assert!(poll(&mut next).is_pending());
                     next
                 })

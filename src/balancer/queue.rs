@@ -254,13 +254,16 @@ struct BandQueue {
 }
 
 impl BandQueue {
-    /// The tenant whose head has the smallest tag.
+    /// The tenant whose head has the smallest tag; among equal tags, the one queued first.
     fn next_tenant(&self) -> Option<u64> {
         self.tenants
             .iter()
-            .filter_map(|(key, tenant)| Some((tenant.waiters.front()?.tag, *key)))
+            .filter_map(|(key, tenant)| {
+                let head = tenant.waiters.front()?;
+                Some((head.tag, head.seq, *key))
+            })
             .min()
-            .map(|(_, key)| key)
+            .map(|(_, _, key)| key)
     }
 
     /// When its oldest request was queued.
@@ -281,12 +284,13 @@ impl BandQueue {
             .saturating_add(cost.max(1))
     }
 
-    /// Requests that go before a new one of `tenant` with `cost`: those with a smaller tag.
+    /// Requests that go before a new one of `tenant` with `cost`: those with a smaller tag, and
+    /// those with the same (queued before it).
     fn ahead_of(&self, tenant: u64, cost: u64) -> usize {
         let tag = self.tag_for(tenant, cost);
         self.tenants
             .values()
-            .map(|t| t.waiters.partition_point(|w| w.tag < tag))
+            .map(|t| t.waiters.partition_point(|w| w.tag <= tag))
             .sum()
     }
 
@@ -448,9 +452,41 @@ mod tests {
     use super::*;
 
     fn push(queue: &mut Queue, at: Instant) -> Place {
+        push_tenant(queue, 0, at)
+    }
+
+    fn push_tenant(queue: &mut Queue, tenant: u64, at: Instant) -> Place {
         let (reply, _) = oneshot::channel();
-        let admission = Admission::default();
+        let admission = Admission {
+            tenant,
+            ..Admission::default()
+        };
         queue.push(RequestInfo::default(), Vec::new(), &admission, 1, at, reply)
+    }
+
+    #[test]
+    fn tenants_with_equal_shares_are_served_in_the_order_they_queued() {
+        let start = Instant::now();
+        let mut queue = Queue::default();
+        // Four tenants, one request each, of the same cost: equal tags. The order is their
+        // arrival, whatever their keys' hashes.
+        let keys = [u64::MAX, 7, u64::MAX / 2, 1];
+        let places: Vec<Place> = keys
+            .iter()
+            .map(|&key| push_tenant(&mut queue, key, start))
+            .collect();
+        // A fifth goes after all four.
+        let fifth = Admission {
+            tenant: 3,
+            ..Admission::default()
+        };
+        assert_eq!(queue.ahead_of(&fifth, 1), 4);
+        for place in places {
+            let next = queue.next(start, Duration::from_secs(60)).unwrap();
+            assert_eq!(next, place);
+            assert!(queue.dispatch(next, start).is_some());
+        }
+        assert!(queue.is_empty());
     }
 
     #[test]

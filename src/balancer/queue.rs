@@ -9,9 +9,9 @@
 //!   cost (start-time fair queueing): a request's tag is its tenant's last tag, or the band's
 //!   virtual time if later, plus its cost (prompt tokens + expected output tokens); the
 //!   smallest tag goes first (of equal tags, the one queued first). A tenant sending ten times
-//!   as much waits behind itself, not in front of the others; an idle tenant banks no credit. State is kept only for tenants with
-//!   requests queued, so memory is bounded by the queue. Without a tenant header every request
-//!   is the same tenant and a band is a FIFO.
+//!   as much waits behind itself, not in front of the others; an idle tenant banks no credit.
+//!   State is kept only for tenants with requests queued, so memory is bounded by the queue.
+//!   Without a tenant header every request is the same tenant and a band is a FIFO.
 //! - **Dispatch rate.** While requests wait, the rate at which the queue hands them to backends
 //!   is measured (windows of at least [`RATE_WINDOW`], smoothed). A new request would be
 //!   dispatched after the requests ahead of it have gone: `(n + 2√n) / rate` for `n = ahead +

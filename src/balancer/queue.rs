@@ -19,7 +19,7 @@
 //!   time to first byte later ([`FirstByteTime`]). A new set of eligible
 //!   backends forgets the rate (capacity is arriving: nothing is refused on the old one).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -245,9 +245,20 @@ impl Tenant {
     }
 }
 
+/// One band: its tenants' queues, and indexes over them so that the next request, the oldest
+/// one and a new request's place in line are found without a pass over the tenants.
 #[derive(Default)]
 struct BandQueue {
     tenants: HashMap<u64, Tenant>,
+    /// Each tenant's first request as (tag, sequence number, tenant): the first is the next to
+    /// dispatch.
+    heads: BTreeSet<(u64, u64, u64)>,
+    /// Each tenant's first request as (sequence number, tenant): the first is the oldest request
+    /// of the band (requests are numbered as they are queued, and a tenant's are in that order).
+    arrivals: BTreeSet<(u64, u64)>,
+    /// Every queued request's tag, in order. Dispatch takes the smallest and a new request's is
+    /// most often the largest, so both ends move in O(1).
+    tags: VecDeque<u64>,
     /// The tag of the last request dispatched from it.
     virtual_time: u64,
     len: usize,
@@ -256,22 +267,13 @@ struct BandQueue {
 impl BandQueue {
     /// The tenant whose head has the smallest tag; among equal tags, the one queued first.
     fn next_tenant(&self) -> Option<u64> {
-        self.tenants
-            .iter()
-            .filter_map(|(key, tenant)| {
-                let head = tenant.waiters.front()?;
-                Some((head.tag, head.seq, *key))
-            })
-            .min()
-            .map(|(_, _, key)| key)
+        self.heads.first().map(|&(_, _, tenant)| tenant)
     }
 
     /// When its oldest request was queued.
     fn oldest(&self) -> Option<Instant> {
-        self.tenants
-            .values()
-            .filter_map(|tenant| tenant.waiters.front().map(|w| w.enqueued_at))
-            .min()
+        let &(_, tenant) = self.arrivals.first()?;
+        Some(self.tenants.get(&tenant)?.waiters.front()?.enqueued_at)
     }
 
     /// The tag a new request of `tenant` with `cost` gets: the tenant's last tag, or the band's
@@ -288,10 +290,22 @@ impl BandQueue {
     /// those with the same (queued before it).
     fn ahead_of(&self, tenant: u64, cost: u64) -> usize {
         let tag = self.tag_for(tenant, cost);
-        self.tenants
-            .values()
-            .map(|t| t.waiters.partition_point(|w| w.tag <= tag))
-            .sum()
+        self.tags.partition_point(|&queued| queued <= tag)
+    }
+
+    /// Queues `waiter` (its tag already set) for `tenant`.
+    fn push(&mut self, tenant: u64, waiter: Waiter) {
+        let (tag, seq) = (waiter.tag, waiter.seq);
+        let queue = self.tenants.entry(tenant).or_default();
+        queue.last_tag = tag;
+        if queue.waiters.is_empty() {
+            self.heads.insert((tag, seq, tenant));
+            self.arrivals.insert((seq, tenant));
+        }
+        queue.waiters.push_back(waiter);
+        let at = self.tags.partition_point(|&queued| queued <= tag);
+        self.tags.insert(at, tag);
+        self.len += 1;
     }
 
     /// Takes out the request `seq` of `tenant`.
@@ -299,9 +313,22 @@ impl BandQueue {
         let queue = self.tenants.get_mut(&tenant)?;
         let index = queue.index_of(seq)?;
         let waiter = queue.waiters.remove(index)?;
-        if queue.waiters.is_empty() {
-            self.tenants.remove(&tenant);
+        if index == 0 {
+            self.heads.remove(&(waiter.tag, waiter.seq, tenant));
+            self.arrivals.remove(&(waiter.seq, tenant));
+            match queue.waiters.front() {
+                Some(next) => {
+                    self.heads.insert((next.tag, next.seq, tenant));
+                    self.arrivals.insert((next.seq, tenant));
+                }
+                None => {
+                    self.tenants.remove(&tenant);
+                }
+            }
         }
+        let at = self.tags.partition_point(|&queued| queued < waiter.tag);
+        debug_assert_eq!(self.tags.get(at), Some(&waiter.tag));
+        self.tags.remove(at);
         self.len -= 1;
         Some(waiter)
     }
@@ -355,18 +382,18 @@ impl Queue {
         self.next_seq += 1;
         let band = &mut self.bands[admission.band.index()];
         let tag = band.tag_for(admission.tenant, cost);
-        let tenant = band.tenants.entry(admission.tenant).or_default();
-        tenant.last_tag = tag;
-        tenant.waiters.push_back(Waiter {
-            seq,
-            info,
-            excluded,
-            enqueued_at,
-            band: admission.band,
-            reply,
-            tag,
-        });
-        band.len += 1;
+        band.push(
+            admission.tenant,
+            Waiter {
+                seq,
+                info,
+                excluded,
+                enqueued_at,
+                band: admission.band,
+                reply,
+                tag,
+            },
+        );
         self.len += 1;
         Place {
             band: admission.band,
@@ -462,6 +489,91 @@ mod tests {
             ..Admission::default()
         };
         queue.push(RequestInfo::default(), Vec::new(), &admission, 1, at, reply)
+    }
+
+    /// The next tenant, the oldest request and a new request's place in line, by a pass over
+    /// every queued request: what the band's indexes must agree with.
+    fn brute_force(band: &BandQueue, tenant: u64, cost: u64) -> (Option<u64>, Option<u64>, usize) {
+        let all = || {
+            band.tenants
+                .iter()
+                .flat_map(|(key, t)| t.waiters.iter().map(move |w| (key, w)))
+        };
+        let next = all()
+            .map(|(key, w)| (w.tag, w.seq, *key))
+            .min()
+            .map(|(_, _, key)| key);
+        let oldest = all().map(|(_, w)| w.seq).min();
+        let tag = band.tag_for(tenant, cost);
+        let ahead = all().filter(|(_, w)| w.tag <= tag).count();
+        (next, oldest, ahead)
+    }
+
+    #[test]
+    fn the_band_indexes_agree_with_a_pass_over_every_request() {
+        let start = Instant::now();
+        let mut queue = Queue::default();
+        let mut places: Vec<Place> = Vec::new();
+        // A small linear congruential generator: the same mix of operations every run.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut random = move |bound: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 33) % bound
+        };
+        for step in 0..5_000 {
+            let at = start + Duration::from_millis(step);
+            match random(10) {
+                // Queue a request of one of 8 tenants, with one of a few costs.
+                0..=5 => {
+                    let (reply, _) = oneshot::channel();
+                    let admission = Admission {
+                        tenant: random(8),
+                        ..Admission::default()
+                    };
+                    let cost = [1, 1, 10, 300][random(4) as usize];
+                    places.push(queue.push(
+                        RequestInfo::default(),
+                        Vec::new(),
+                        &admission,
+                        cost,
+                        at,
+                        reply,
+                    ));
+                }
+                // Dispatch the next one.
+                6..=8 => {
+                    if let Some(place) = queue.next(at, Duration::from_secs(3600)) {
+                        assert!(queue.dispatch(place, at).is_some());
+                        places.retain(|p| *p != place);
+                    }
+                }
+                // One leaves from anywhere in the queue.
+                _ => {
+                    if !places.is_empty() {
+                        let place = places.swap_remove(random(places.len() as u64) as usize);
+                        assert!(queue.remove(place).is_some());
+                    }
+                }
+            }
+            let band = &queue.bands[Band::Normal.index()];
+            let tenant = random(8);
+            let (next, oldest, ahead) = brute_force(band, tenant, 10);
+            assert_eq!(band.next_tenant(), next, "step {step}");
+            let oldest_seq = band.arrivals.first().map(|&(seq, _)| seq);
+            assert_eq!(oldest_seq, oldest, "step {step}");
+            let oldest_at = band
+                .tenants
+                .values()
+                .filter_map(|t| t.waiters.front().map(|w| w.enqueued_at))
+                .min();
+            assert_eq!(band.oldest(), oldest_at, "step {step}");
+            assert_eq!(band.ahead_of(tenant, 10), ahead, "step {step}");
+            assert_eq!(band.tags.len(), band.len, "step {step}");
+            assert_eq!(places.len(), queue.len(), "step {step}");
+        }
+        assert!(queue.len() > 100, "the queue grew: {}", queue.len());
     }
 
     #[test]

@@ -289,7 +289,7 @@ impl Balancer {
     /// declines this pick, in which case the strategy chooses among the others.
     fn pick(&self, info: &RequestInfo, candidates: Candidates<'_>) -> Option<Arc<Backend>> {
         let strategy = self.strategy.load();
-        info.clear_past_limit();
+        info.set_past_limit(false);
         let index = strategy.pick(info, candidates)?;
         debug_assert!(
             candidates.get(index).is_some(),
@@ -298,15 +298,12 @@ impl Balancer {
         let chosen = &candidates.all()[index];
         if candidates.iter().any(|(other, _)| other != index) && !self.ramp_admits(chosen) {
             let noted = info.sent_past_limit();
-            info.clear_past_limit();
+            info.set_past_limit(false);
             if let Some(other) = strategy.pick(info, candidates.declining(chosen)) {
                 return Some(Arc::clone(&candidates.all()[other]));
             }
             // The first choice stands, and with it its pick's note.
-            info.clear_past_limit();
-            if noted {
-                info.send_past_limit();
-            }
+            info.set_past_limit(noted);
         }
         Some(Arc::clone(chosen))
     }

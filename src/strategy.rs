@@ -68,9 +68,10 @@ impl RequestInfo {
         self.past_limit.0.load(Ordering::Relaxed)
     }
 
-    /// Clears [`Self::send_past_limit`] (the core, before each pick).
-    pub(crate) fn clear_past_limit(&self) {
-        self.past_limit.0.store(false, Ordering::Relaxed);
+    /// Sets the note of [`Self::send_past_limit`] (the core: cleared before each pick, and put
+    /// back to a kept choice's).
+    pub(crate) fn set_past_limit(&self, past: bool) {
+        self.past_limit.0.store(past, Ordering::Relaxed);
     }
 
     /// Output tokens the request is expected to generate: what it asks for (`max_tokens`,

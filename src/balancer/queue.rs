@@ -265,9 +265,10 @@ struct BandQueue {
 }
 
 impl BandQueue {
-    /// The tenant whose head has the smallest tag; among equal tags, the one queued first.
-    fn next_tenant(&self) -> Option<u64> {
-        self.heads.first().map(|&(_, _, tenant)| tenant)
+    /// The tenant whose head has the smallest tag (among equal tags, the one queued first), and
+    /// that head's sequence number.
+    fn next_head(&self) -> Option<(u64, u64)> {
+        self.heads.first().map(|&(_, seq, tenant)| (tenant, seq))
     }
 
     /// When its oldest request was queued.
@@ -419,9 +420,7 @@ impl Queue {
                 .into_iter()
                 .find(|band| self.bands[band.index()].len > 0)
         })?;
-        let queue = &self.bands[band.index()];
-        let tenant = queue.next_tenant()?;
-        let seq = queue.tenants.get(&tenant)?.waiters.front()?.seq;
+        let (tenant, seq) = self.bands[band.index()].next_head()?;
         Some(Place { band, tenant, seq })
     }
 
@@ -560,7 +559,11 @@ mod tests {
             let band = &queue.bands[Band::Normal.index()];
             let tenant = random(8);
             let (next, oldest, ahead) = brute_force(band, tenant, 10);
-            assert_eq!(band.next_tenant(), next, "step {step}");
+            assert_eq!(
+                band.next_head().map(|(tenant, _)| tenant),
+                next,
+                "step {step}"
+            );
             let oldest_seq = band.arrivals.first().map(|&(seq, _)| seq);
             assert_eq!(oldest_seq, oldest, "step {step}");
             let oldest_at = band

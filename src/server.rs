@@ -273,12 +273,14 @@ fn h2_refusal(request: &Request<hyper::body::Incoming>) -> Option<&'static str> 
         return Some("invalid Host");
     }
     // The `:path` becomes the request target: origin form, or asterisk form for OPTIONS only
-    // (RFC 9113 §8.3.1). hyper lets a path that starts with `?` through (`GET ?a HTTP/1.1`).
-    let target = request.uri().path_and_query().map(|path| path.as_str());
+    // (RFC 9113 §8.3.1), as the HTTP/1 server requires. hyper lets a path that starts with `?`
+    // through (`GET ?a HTTP/1.1`).
+    let uri = request.uri();
+    if let Some(refusal) = h1::server::target_form_refusal(request.method(), uri) {
+        return Some(refusal);
+    }
+    let target = uri.path_and_query().map(|path| path.as_str());
     match target {
-        Some("*") if request.method() != http::Method::OPTIONS => {
-            Some("asterisk-form target without OPTIONS")
-        }
         Some(target) if target != "*" && !target.starts_with('/') => Some("invalid request target"),
         _ => None,
     }

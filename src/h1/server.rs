@@ -737,6 +737,23 @@ async fn read_head(
     }
 }
 
+/// Why a request target's form does not fit its method, if it does not: authority form is for
+/// CONNECT only, asterisk form for OPTIONS only (RFC 9112 §3.2.3, §3.2.4); another method with
+/// either has no path to forward.
+pub fn target_form_refusal(method: &Method, uri: &Uri) -> Option<&'static str> {
+    let authority_form = uri.scheme().is_none() && uri.authority().is_some();
+    if authority_form && method != Method::CONNECT {
+        return Some("authority-form target without CONNECT");
+    }
+    let asterisk_form = uri
+        .path_and_query()
+        .is_some_and(|target| target.as_str() == "*");
+    if asterisk_form && method != Method::OPTIONS {
+        return Some("asterisk-form target without OPTIONS");
+    }
+    None
+}
+
 /// Whether a `Host` value names a host as nginx accepts it (`ngx_http_validate_host`): no
 /// space, control byte or `/`, no `..`, and a name that is not empty once a port and one
 /// trailing dot are set aside. The value reaches the backend as it is, and a backend may build
@@ -836,14 +853,8 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
     let head = buffer.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
         .map_err(|_| bad("invalid request target"))?;
-    // Authority form is for CONNECT only, asterisk form for OPTIONS only (RFC 9112 §3.2.3,
-    // §3.2.4): another method with either has no path to forward.
-    let authority_form = uri.scheme().is_none() && uri.authority().is_some();
-    if authority_form && method != Method::CONNECT {
-        return Err(bad("authority-form target without CONNECT"));
-    }
-    if uri == "*" && method != Method::OPTIONS {
-        return Err(bad("asterisk-form target without OPTIONS"));
+    if let Some(refusal) = target_form_refusal(&method, &uri) {
+        return Err(bad(refusal));
     }
     let spans = &spans[..count];
     let field = |start: u32, end: u32| &head[start as usize..end as usize];

@@ -211,41 +211,37 @@ impl<'de> Deserialize<'de> for Count {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct Visitor;
 
+        const EXPECTED: &str = "a positive integer or \"auto\"";
+
+        fn refused<E: serde::de::Error>(found: impl std::fmt::Debug) -> E {
+            E::custom(format!("expected {EXPECTED}, found {found:?}"))
+        }
+
         impl serde::de::Visitor<'_> for Visitor {
             type Value = Count;
 
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a positive integer or \"auto\"")
+                f.write_str(EXPECTED)
             }
 
             fn visit_u64<E: serde::de::Error>(self, count: u64) -> Result<Count, E> {
                 match usize::try_from(count) {
                     Ok(count) if count > 0 => Ok(Count::Fixed(count)),
-                    _ => Err(E::custom(format!(
-                        "expected a positive integer or \"auto\", found {count}"
-                    ))),
+                    _ => Err(refused(count)),
                 }
             }
 
             fn visit_i64<E: serde::de::Error>(self, count: i64) -> Result<Count, E> {
-                match u64::try_from(count) {
-                    Ok(count) => self.visit_u64(count),
-                    Err(_) => Err(E::custom(format!(
-                        "expected a positive integer or \"auto\", found {count}"
-                    ))),
-                }
+                let count = u64::try_from(count).map_err(|_| refused(count))?;
+                self.visit_u64(count)
             }
 
             fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Count, E> {
                 if text.trim().eq_ignore_ascii_case("auto") {
                     return Ok(Count::Auto);
                 }
-                match text.trim().parse::<usize>() {
-                    Ok(count) if count > 0 => Ok(Count::Fixed(count)),
-                    _ => Err(E::custom(format!(
-                        "expected a positive integer or \"auto\", found {text:?}"
-                    ))),
-                }
+                let count = text.trim().parse::<u64>().map_err(|_| refused(text))?;
+                self.visit_u64(count).map_err(|_: E| refused(text))
             }
         }
 

@@ -20,6 +20,7 @@ mod harness;
 
 use std::time::Duration;
 
+use common::find;
 use harness::*;
 use proptest::prelude::*;
 use proptest::sample::select;

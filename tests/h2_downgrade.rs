@@ -212,23 +212,6 @@ async fn read_request(
     Some((head, body, trailers))
 }
 
-async fn fill(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<()> {
-    let mut chunk = [0u8; 16 * 1024];
-    match stream.read(&mut chunk).await {
-        Ok(0) | Err(_) => None,
-        Ok(read) => {
-            buffer.extend_from_slice(&chunk[..read]);
-            Some(())
-        }
-    }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
-}
-
 /// The values of field `name` in a request head, in order.
 fn values<'a>(head: &'a str, name: &str) -> Vec<&'a str> {
     head.split("\r\n")

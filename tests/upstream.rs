@@ -13,7 +13,7 @@ use bytes::Bytes;
 use common::*;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
@@ -241,24 +241,6 @@ async fn read_line(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<Strin
         }
         fill(stream, buffer).await?;
     }
-}
-
-/// Appends what the next read brings; `None` at the end of the connection.
-async fn fill(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<()> {
-    let mut chunk = [0u8; 16 * 1024];
-    match stream.read(&mut chunk).await {
-        Ok(0) | Err(_) => None,
-        Ok(read) => {
-            buffer.extend_from_slice(&chunk[..read]);
-            Some(())
-        }
-    }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
 }
 
 /// A round-robin router with `backend` as its only backend.

@@ -582,3 +582,27 @@ impl Rng {
         self.below(len as u64) as usize
     }
 }
+
+/// Where `needle` first stands in `haystack` (`None` for an empty needle).
+pub fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() || haystack.len() < needle.len() {
+        return None;
+    }
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+/// Appends what the next read of `stream` brings to `buffer`; `None` at the end of the
+/// connection.
+pub async fn fill(stream: &mut tokio::net::TcpStream, buffer: &mut Vec<u8>) -> Option<()> {
+    use tokio::io::AsyncReadExt;
+    let mut chunk = [0u8; 16 * 1024];
+    match stream.read(&mut chunk).await {
+        Ok(0) | Err(_) => None,
+        Ok(read) => {
+            buffer.extend_from_slice(&chunk[..read]);
+            Some(())
+        }
+    }
+}

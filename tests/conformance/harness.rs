@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 
-use crate::common::{TestRouter, get_json, round_robin, set_backends, start_router};
+use crate::common::{TestRouter, find, get_json, round_robin, set_backends, start_router};
 
 /// The longest any single read or wait of a vector may take.
 pub const LIMIT: Duration = Duration::from_secs(3);
@@ -501,15 +501,6 @@ async fn read_crlf_line(input: &mut Incoming) -> Option<Vec<u8>> {
         }
         input.fill().await?;
     }
-}
-
-pub fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    if needle.is_empty() || haystack.len() < needle.len() {
-        return None;
-    }
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -102,8 +102,10 @@ impl Backend {
         }
     }
 
-    /// What the backend saw before the marker request (a `GET /marker`), which comes next.
-    async fn before_marker(&mut self) -> Vec<Seen> {
+    /// Sends the marker request (a `GET /marker`) through `router` and returns what the backend
+    /// saw before it.
+    async fn before_marker(&mut self, router: &TestRouter) -> Vec<Seen> {
+        marker(router).await;
         self.until_marker().await.0
     }
 
@@ -473,6 +475,11 @@ async fn streaming_router(backend: &Backend) -> TestRouter {
     router_with(backend, config).await
 }
 
+/// Whether every connection the backend saw carried at most part of a request and was closed.
+fn nothing_whole(seen: &[Seen]) -> bool {
+    seen.iter().all(|seen| matches!(seen, Seen::Closed { .. }))
+}
+
 /// Sends the marker request on a new connection and waits for its answer.
 async fn marker(router: &TestRouter) {
     let mut h2 = H2::connect(router).await;
@@ -501,8 +508,7 @@ async fn refused(router: &TestRouter, backend: &mut Backend, fields: &[(&[u8], &
     let outcome = h2.outcome(1).await;
     let shown = shown(fields);
     assert!(outcome.refused(), "{shown:?}: {outcome:?}");
-    marker(router).await;
-    let seen = backend.before_marker().await;
+    let seen = backend.before_marker(router).await;
     assert!(
         seen.iter()
             .all(|seen| matches!(seen, Seen::Closed { left, .. } if left.is_empty())),
@@ -611,8 +617,7 @@ async fn an_uppercase_field_name_goes_out_as_one_well_formed_field() {
     h2.headers(1, &request(b"GET", b"/", &[(b"X-Upper", b"1")]), true)
         .await;
     let outcome = h2.outcome(1).await;
-    marker(&router).await;
-    let seen = backend.before_marker().await;
+    let seen = backend.before_marker(&router).await;
     // Refused (as RFC 9113 §8.2.1 asks), or forwarded with the name lowercased: never anything
     // else.
     if outcome == Outcome::Status(200) {
@@ -624,7 +629,7 @@ async fn an_uppercase_field_name_goes_out_as_one_well_formed_field() {
         assert!(body.is_empty());
     } else {
         assert!(outcome.refused(), "{outcome:?}");
-        assert!(seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })));
+        assert!(nothing_whole(&seen));
     }
 }
 
@@ -727,13 +732,9 @@ async fn a_content_length_that_disagrees_with_the_data_sends_no_whole_request() 
             }
             let outcome = h2.outcome(1).await;
             assert!(outcome.refused(), "{length:?}: {outcome:?}");
-            marker(&router).await;
-            let seen = backend.before_marker().await;
+            let seen = backend.before_marker(&router).await;
             // At most part of the request, on a connection that was then closed.
-            assert!(
-                seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
-                "{streaming} {length:?}: {seen:?}"
-            );
+            assert!(nothing_whole(&seen), "{streaming} {length:?}: {seen:?}");
         }
     }
 }
@@ -860,8 +861,7 @@ async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
                 .await
         );
         let outcome = h2.outcome(1).await;
-        marker(&router).await;
-        for seen in backend.before_marker().await {
+        for seen in backend.before_marker(&router).await {
             if let Seen::Request { head, body, .. } = seen {
                 assert_eq!(outcome, Outcome::Status(200));
                 assert!(head.starts_with("POST /trailers HTTP/1.1\r\n"), "{head}");
@@ -887,12 +887,8 @@ async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
             );
             let outcome = h2.outcome(1).await;
             assert!(outcome.refused(), "{trailer:?}: {outcome:?}");
-            marker(&router).await;
-            let seen = backend.before_marker().await;
-            assert!(
-                seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
-                "{streaming} {trailer:?}: {seen:?}"
-            );
+            let seen = backend.before_marker(&router).await;
+            assert!(nothing_whole(&seen), "{streaming} {trailer:?}: {seen:?}");
         }
     }
 }
@@ -926,10 +922,7 @@ async fn a_stream_reset_mid_body_sends_no_whole_request_and_closes_the_backend_c
                 assert_eq!(h2.outcome(3).await, Outcome::Status(200));
                 let (seen, marker) = backend.until_marker().await;
                 let context = format!("{streaming} {code} {length:?}: {seen:?}");
-                assert!(
-                    seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
-                    "{context}"
-                );
+                assert!(nothing_whole(&seen), "{context}");
                 // A connection that carried part of the request was closed, not reused (the
                 // marker's bytes would have been read as the rest of that request).
                 for seen in &seen {
@@ -985,11 +978,7 @@ async fn a_huge_header_list_or_endless_continuation_ends_the_stream_or_connectio
         let outcome = h2.outcome(1).await;
         assert!(outcome.refused(), "{outcome:?}");
     }
-    marker(&router).await;
-    let seen = backend.before_marker().await;
-    assert!(
-        seen.iter().all(|seen| matches!(seen, Seen::Closed { .. })),
-        "{seen:?}"
-    );
+    let seen = backend.before_marker(&router).await;
+    assert!(nothing_whole(&seen), "{seen:?}");
     assert!(backend.accepted.load(Ordering::SeqCst) >= 1);
 }

@@ -199,6 +199,8 @@ pub struct Received {
     pub body: Vec<u8>,
     /// Whether the body was read to its end (or was not read by choice).
     pub complete: bool,
+    /// Trailer field names of a chunked body, lowercased.
+    pub trailers: Vec<String>,
 }
 
 impl Received {
@@ -348,9 +350,11 @@ async fn serve_backend_connection(
             requests.len() - 1
         };
         if reply.read_body {
-            let body = read_backend_body(&mut input, &head).await;
+            let mut trailers = Vec::new();
+            let body = read_backend_body(&mut input, &head, &mut trailers).await;
             let mut log = log.lock().unwrap();
             let request = &mut log[index].requests[position];
+            request.trailers = trailers;
             match body {
                 Ok(body) => {
                     request.body = body;
@@ -428,17 +432,22 @@ async fn read_backend_head(input: &mut Incoming) -> HeadRead {
         headers,
         body: Vec::new(),
         complete: false,
+        trailers: Vec::new(),
     })
 }
 
-/// The request body by its framing; `Err` with what was read when the connection ended first
-/// or the framing is not understood.
-async fn read_backend_body(input: &mut Incoming, head: &Received) -> Result<Vec<u8>, Vec<u8>> {
+/// The request body by its framing (the trailer field names of a chunked one into `trailers`);
+/// `Err` with what was read when the connection ended first or the framing is not understood.
+async fn read_backend_body(
+    input: &mut Incoming,
+    head: &Received,
+    trailers: &mut Vec<String>,
+) -> Result<Vec<u8>, Vec<u8>> {
     let chunked = head
         .header("transfer-encoding")
         .is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"));
     if chunked {
-        return read_backend_chunked(input).await;
+        return read_backend_chunked(input, trailers).await;
     }
     if head.header("transfer-encoding").is_some() {
         return Err(Vec::new());
@@ -457,7 +466,10 @@ async fn read_backend_body(input: &mut Incoming, head: &Received) -> Result<Vec<
     Ok(input.buffer.drain(..length).collect())
 }
 
-async fn read_backend_chunked(input: &mut Incoming) -> Result<Vec<u8>, Vec<u8>> {
+async fn read_backend_chunked(
+    input: &mut Incoming,
+    trailers: &mut Vec<String>,
+) -> Result<Vec<u8>, Vec<u8>> {
     let mut body = Vec::new();
     loop {
         let Some(line) = read_crlf_line(input).await else {
@@ -475,7 +487,11 @@ async fn read_backend_chunked(input: &mut Incoming) -> Result<Vec<u8>, Vec<u8>> 
                 match read_crlf_line(input).await {
                     None => return Err(body),
                     Some(line) if line.is_empty() => return Ok(body),
-                    Some(_) => {}
+                    Some(line) => {
+                        let text = String::from_utf8_lossy(&line);
+                        let name = text.split(':').next().unwrap_or_default();
+                        trailers.push(name.trim().to_ascii_lowercase());
+                    }
                 }
             }
         }
@@ -785,6 +801,8 @@ pub struct Resp {
     pub body: BodyCheck,
     /// Trailer fields that must be there, with their values.
     pub trailers: Vec<(String, String)>,
+    /// Trailer fields that must not be there.
+    pub no_trailers: Vec<String>,
 }
 
 /// A response with `status`, any body.
@@ -795,6 +813,7 @@ pub fn resp(status: u16) -> Resp {
         headers: Vec::new(),
         body: BodyCheck::Any,
         trailers: Vec::new(),
+        no_trailers: Vec::new(),
     }
 }
 
@@ -827,6 +846,11 @@ impl Resp {
 
     pub fn trailer(mut self, name: &str, value: &str) -> Self {
         self.trailers.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    pub fn no_trailer(mut self, name: &str) -> Self {
+        self.no_trailers.push(name.to_ascii_lowercase());
         self
     }
 
@@ -875,6 +899,15 @@ impl Resp {
             {
                 return Err(format!(
                     "expected trailer {name}: {value}; got trailers {:?}; {}",
+                    got.trailers,
+                    summary()
+                ));
+            }
+        }
+        for name in &self.no_trailers {
+            if got.trailers.iter().any(|(n, _)| n == name) {
+                return Err(format!(
+                    "expected no trailer {name}; got trailers {:?}; {}",
                     got.trailers,
                     summary()
                 ));
@@ -936,6 +969,8 @@ pub struct Req {
     pub has: Vec<(String, String)>,
     pub lacks: Vec<String>,
     pub body: Option<Vec<u8>>,
+    /// `Some`: exactly these trailer field names (lowercased), in order.
+    pub trailers: Option<Vec<String>>,
 }
 
 pub fn req(line: &str) -> Req {
@@ -944,6 +979,7 @@ pub fn req(line: &str) -> Req {
         has: Vec::new(),
         lacks: Vec::new(),
         body: None,
+        trailers: None,
     }
 }
 
@@ -961,6 +997,12 @@ impl Req {
 
     pub fn body(mut self, body: impl AsRef<[u8]>) -> Self {
         self.body = Some(body.as_ref().to_vec());
+        self
+    }
+
+    /// The backend gets exactly these trailer fields.
+    pub fn trailers(mut self, names: &[&str]) -> Self {
+        self.trailers = Some(names.iter().map(|name| name.to_ascii_lowercase()).collect());
         self
     }
 
@@ -994,6 +1036,15 @@ impl Req {
         if let Some(body) = &self.body {
             if &got.body != body || !got.complete {
                 return Err(format!("expected body {:?}; {}", lossy(body), summary()));
+            }
+        }
+        if let Some(trailers) = &self.trailers {
+            if &got.trailers != trailers {
+                return Err(format!(
+                    "expected trailers {trailers:?}; got {:?}; {}",
+                    got.trailers,
+                    summary()
+                ));
             }
         }
         Ok(())

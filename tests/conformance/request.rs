@@ -424,6 +424,23 @@ pub fn framing() -> Vec<Vector> {
             "POST /x HTTP/1.1",
             b"hello",
         ),
+        // Trailer fields that frame, route or belong to the hop do not reach the backend; the
+        // trailer's own field does.
+        vector(
+            "frame-chunk-trailer-framing-fields",
+            vec![
+                send(chunked_post(
+                    "/x",
+                    "5\r\nhello\r\n0\r\nx-sum: 1\r\nConnection: close\r\nContent-Length: 40\r\nTransfer-Encoding: chunked\r\nHost: elsewhere\r\n\r\n",
+                )),
+                expect(resp(200).body("/x")),
+                Step::Canary,
+            ],
+        )
+        .requests(vec![req("POST /x HTTP/1.1").body(b"hello").trailers(&["x-sum"])])
+        // Streamed through (not read into memory for a retry), so it goes out chunked, with
+        // the trailers the router passes on.
+        .config(|config| config.retry.body_limit = 4),
         // A Content-Length in the trailers frames nothing.
         accepted(
             "frame-chunk-trailer-content-length",

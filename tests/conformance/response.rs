@@ -340,6 +340,23 @@ pub fn desyncs() -> Vec<Vector> {
         ),
         resp(200).body("hello world").trailer("x-sum", "42"),
     ));
+    // Trailer fields that frame, route or belong to the hop are dropped; the trailer's own
+    // field goes on.
+    vectors.push(desync(
+        "resp-chunked-trailers-framing-fields",
+        "GET /x HTTP/1.1\r\nHost: a\r\nTE: trailers\r\n\r\n",
+        Reply::raw(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\nx-sum: 42\r\nConnection: close\r\nKeep-Alive: timeout=5\r\nContent-Length: 40\r\nTransfer-Encoding: chunked\r\nHost: elsewhere\r\n\r\n",
+        ),
+        resp(200)
+            .body("hello world")
+            .trailer("x-sum", "42")
+            .no_trailer("connection")
+            .no_trailer("keep-alive")
+            .no_trailer("content-length")
+            .no_trailer("transfer-encoding")
+            .no_trailer("host"),
+    ));
     vectors.push(desync(
         "resp-chunked-split-writes",
         GET_X,

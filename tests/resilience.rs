@@ -440,6 +440,15 @@ async fn a_client_that_stops_reading_gives_its_backend_slot_back_at_the_send_tim
     let mut drained = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(5), stalled.read_to_end(&mut drained));
     assert!(matches!(read.await, Ok(Ok(_)) | Ok(Err(_))));
+    // A canary on a fresh connection is answered by the same backend.
+    let mut canary = TcpStream::connect(router.addr).await.unwrap();
+    canary
+        .write_all(b"GET /canary HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let answered = tokio::time::timeout(Duration::from_secs(5), canary.read_exact(&mut head));
+    answered.await.expect("the canary is answered").unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -107,7 +107,8 @@ pub struct QueueConfig {
     /// The request header naming the request's priority band: `high`, `normal` (also when
     /// absent or anything else) or `low`. Empty: every request is `normal`.
     pub priority_header: String,
-    /// How long a request of a lower band may wait before it goes ahead of higher bands.
+    /// How long a request of a lower band waits before such requests get at least one
+    /// dispatch in four while higher bands hold requests.
     #[serde(with = "crate::forms::seconds")]
     pub priority_aging: Duration,
     /// The request header whose value names the tenant (e.g. `x-tenant-id`, `authorization`):
@@ -632,7 +633,7 @@ impl Balancer {
             let Some(backend) = self.pick_excluding(&head.info, &backends, &head.excluded) else {
                 break;
             };
-            let Some(waiter) = queue.dispatch(place, now) else {
+            let Some(waiter) = queue.dispatch(place, now, aging) else {
                 break;
             };
             let lease = Lease::new(self, backend, &waiter.info);

@@ -135,7 +135,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
         name: "CUSTOM_ROUTER_QUEUE_PRIORITY_AGING",
         key: "queue.priority_aging",
-        help: "seconds after which a queued request of a lower band goes before higher bands",
+        help: "seconds after which queued lower-band requests get one dispatch in four",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_TENANT_HEADER",

@@ -2,9 +2,12 @@
 //! the dispatch rate that predicts when a new request would start.
 //!
 //! - **Bands.** Each request is `high`, `normal` or `low` (the `queue.priority_header`; absent
-//!   or unknown: `normal`). A higher band dispatches first, except that a request of a lower
-//!   band that has waited `queue.priority_aging` goes before the higher bands (aging: a low
-//!   request waits at most about that long behind a stream of higher ones).
+//!   or unknown: `normal`). A higher band dispatches first. Once a request of a lower band has
+//!   waited `queue.priority_aging`, at least one dispatch in [`AGED_SHARE`] goes to such aged
+//!   requests (the oldest first) while higher bands hold requests: no band starves, and a
+//!   higher band keeps the rest of the dispatches however long an overload makes every lower
+//!   request wait (an aged request going before every higher one would hand the whole queue
+//!   to the lower band as soon as its waits pass the aging time).
 //! - **Tenants.** With `queue.tenant_header` set, a band serves its tenants in fair shares of
 //!   cost (start-time fair queueing): a request's tag is its tenant's last tag, or the band's
 //!   virtual time if later, plus its cost (prompt tokens + expected output tokens); the
@@ -335,12 +338,18 @@ impl BandQueue {
     }
 }
 
+/// Of every this many dispatches while a lower band holds a request that waited the aging time,
+/// at least one goes to such a request.
+pub(super) const AGED_SHARE: u32 = 4;
+
 /// The queue: a [`BandQueue`] per band.
 #[derive(Default)]
 pub(super) struct Queue {
     bands: [BandQueue; 3],
     next_seq: u64,
     len: usize,
+    /// Dispatches from a higher band in a row while an aged request of a lower band waited.
+    passed_over: u32,
     /// The dispatch rate.
     pub(super) rate: DispatchRate,
 }
@@ -403,25 +412,33 @@ impl Queue {
         }
     }
 
-    /// The place of the request to dispatch next at `now`: in the lower band whose oldest
-    /// request has waited `aging` (the one with the older, if both), else in the highest band
-    /// holding requests; within the band, the smallest tag.
+    /// The place of the request to dispatch next at `now`: in the highest band holding
+    /// requests, unless the higher bands have gone [`AGED_SHARE`] − 1 times in a row past an
+    /// aged request (one of a lower band that has waited `aging`; the older band's, if both):
+    /// then in the aged one's band. Within the band, the smallest tag.
     pub(super) fn next(&self, now: Instant, aging: Duration) -> Option<Place> {
-        let aged = Band::ALL[1..]
+        let highest = Band::ALL
+            .into_iter()
+            .find(|band| self.bands[band.index()].len > 0)?;
+        let band = match self.aged(now, aging) {
+            Some(aged) if self.passed_over + 1 >= AGED_SHARE => aged,
+            _ => highest,
+        };
+        let (tenant, seq) = self.bands[band.index()].next_head()?;
+        Some(Place { band, tenant, seq })
+    }
+
+    /// The lower band whose oldest request has waited `aging` at `now` (the older one's, if
+    /// both have such a request).
+    fn aged(&self, now: Instant, aging: Duration) -> Option<Band> {
+        Band::ALL[1..]
             .iter()
             .filter_map(|band| {
                 let oldest = self.bands[band.index()].oldest()?;
                 (now.saturating_duration_since(oldest) >= aging).then_some((oldest, *band))
             })
             .min()
-            .map(|(_, band)| band);
-        let band = aged.or_else(|| {
-            Band::ALL
-                .into_iter()
-                .find(|band| self.bands[band.index()].len > 0)
-        })?;
-        let (tenant, seq) = self.bands[band.index()].next_head()?;
-        Some(Place { band, tenant, seq })
+            .map(|(_, band)| band)
     }
 
     /// The waiter at `place`, if still queued.
@@ -431,9 +448,20 @@ impl Queue {
     }
 
     /// Takes the waiter at `place` out to dispatch it at `now`: it counts in the dispatch rate
-    /// (the last one of a window included, when it empties the queue).
-    pub(super) fn dispatch(&mut self, place: Place, now: Instant) -> Option<Waiter> {
+    /// (the last one of a window included, when it empties the queue), and in the aged
+    /// requests' share (`aging` as in [`Queue::next`]).
+    pub(super) fn dispatch(
+        &mut self,
+        place: Place,
+        now: Instant,
+        aging: Duration,
+    ) -> Option<Waiter> {
+        let aged = self.aged(now, aging);
         let waiter = self.take(place)?;
+        self.passed_over = match aged {
+            Some(aged) if place.band < aged => self.passed_over + 1,
+            _ => 0,
+        };
         let band = &mut self.bands[place.band.index()];
         band.virtual_time = band.virtual_time.max(waiter.tag);
         self.rate.dispatched(now, self.len == 0);
@@ -544,7 +572,11 @@ mod tests {
                 // Dispatch the next one.
                 6..=8 => {
                     if let Some(place) = queue.next(at, Duration::from_secs(3600)) {
-                        assert!(queue.dispatch(place, at).is_some());
+                        assert!(
+                            queue
+                                .dispatch(place, at, Duration::from_secs(3600))
+                                .is_some()
+                        );
                         places.retain(|p| *p != place);
                     }
                 }
@@ -580,6 +612,48 @@ mod tests {
     }
 
     #[test]
+    fn an_aged_band_takes_one_dispatch_in_four_not_the_whole_queue() {
+        let start = Instant::now();
+        let aging = Duration::from_secs(1);
+        let mut queue = Queue::default();
+        let band = |band| Admission {
+            band,
+            ..Admission::default()
+        };
+        let push_band = |queue: &mut Queue, admission: &Admission, at: Instant| {
+            let (reply, _) = oneshot::channel();
+            queue.push(RequestInfo::default(), Vec::new(), admission, 1, at, reply)
+        };
+        for _ in 0..6 {
+            push_band(&mut queue, &band(Band::Normal), start);
+        }
+        // Before the normal requests have aged, high ones go first.
+        let soon = start + Duration::from_millis(500);
+        for _ in 0..2 {
+            push_band(&mut queue, &band(Band::High), soon);
+        }
+        let mut order = Vec::new();
+        let mut drain = |queue: &mut Queue, at: Instant, count: usize| {
+            for _ in 0..count {
+                let place = queue.next(at, aging).unwrap();
+                order.push(place.band);
+                assert!(queue.dispatch(place, at, aging).is_some());
+            }
+        };
+        drain(&mut queue, soon, 2);
+        // The normal requests have waited 2 s: a stream of high ones still gets three
+        // dispatches in four; the aged normal ones the fourth.
+        let later = start + Duration::from_secs(2);
+        for _ in 0..8 {
+            push_band(&mut queue, &band(Band::High), later);
+        }
+        drain(&mut queue, later, 14);
+        use Band::{High as H, Normal as N};
+        assert_eq!(order, [H, H, H, H, H, N, H, H, H, N, H, H, N, N, N, N]);
+        assert!(queue.is_empty());
+    }
+
+    #[test]
     fn tenants_with_equal_shares_are_served_in_the_order_they_queued() {
         let start = Instant::now();
         let mut queue = Queue::default();
@@ -599,7 +673,11 @@ mod tests {
         for place in places {
             let next = queue.next(start, Duration::from_secs(60)).unwrap();
             assert_eq!(next, place);
-            assert!(queue.dispatch(next, start).is_some());
+            assert!(
+                queue
+                    .dispatch(next, start, Duration::from_secs(60))
+                    .is_some()
+            );
         }
         assert!(queue.is_empty());
     }
@@ -612,7 +690,11 @@ mod tests {
         // second.
         let place = push(&mut queue, start);
         let later = start + Duration::from_millis(200);
-        assert!(queue.dispatch(place, later).is_some());
+        assert!(
+            queue
+                .dispatch(place, later, Duration::from_secs(60))
+                .is_some()
+        );
         assert!(queue.is_empty());
         let wait = queue
             .rate

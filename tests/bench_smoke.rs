@@ -829,6 +829,8 @@ mod classes {
         for (shared, alone, class) in [
             ("noisy-tenant", "noisy-tenant-alone", "b"),
             ("priority", "priority-alone", "high"),
+            ("noisy-tenant-engine", "noisy-tenant-engine-alone", "b"),
+            ("priority-engine", "priority-engine-alone", "high"),
         ] {
             assert_eq!(routing(shared).seed_of, Some(shared));
             assert_eq!(routing(alone).seed_of, Some(shared));
@@ -870,6 +872,39 @@ mod classes {
                 .any(|(n, v)| n == "x-priority" && v == "high");
             assert_eq!(high, planned.class == Some("high"));
         }
+    }
+
+    #[test]
+    fn an_engine_scale_schedule_is_compressed_in_time_not_cut_short() {
+        let engine = routing("noisy-tenant-engine");
+        let full = schedule("noisy-tenant-engine", 2, Mode::Default);
+        for mode in [Mode::Quick, Mode::Smoke] {
+            // Replicas that much faster, and the default run's first requests at times that
+            // much shorter: the same requests, none cut short by the shorter run.
+            let compression = engine.time_compression(mode);
+            assert_eq!(compression, mode.time_compression());
+            assert_eq!(
+                engine.sim_config(0, 2, mode).speed,
+                engine.sim_config(0, 2, Mode::Default).speed * compression
+            );
+            let short = schedule("noisy-tenant-engine", 2, mode);
+            let kept = full
+                .iter()
+                .take_while(|p| p.at.as_secs_f64() < 60.0 * mode.time_scale())
+                .count();
+            assert!(short.len() > 20, "{mode:?}: {}", short.len());
+            assert!(short.len().abs_diff(kept) <= 1, "{mode:?}");
+            for (short, full) in short.iter().zip(&full) {
+                let at = full.at.as_secs_f64() / compression;
+                assert!((short.at.as_secs_f64() - at).abs() < 1e-6, "{mode:?}");
+                assert_eq!(
+                    (short.max_tokens, short.stream, short.class),
+                    (full.max_tokens, full.stream, full.class)
+                );
+            }
+        }
+        // The small-replica scenarios are shortened instead.
+        assert_eq!(routing("noisy-tenant").time_compression(Mode::Smoke), 1.0);
     }
 
     #[test]

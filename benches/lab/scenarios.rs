@@ -127,6 +127,10 @@ pub struct Poisson {
     pub duration: f64,
     /// Traffic classes and header fields of the requests.
     pub mix: Mix,
+    /// Answers of engine scale (seconds each): in quick and smoke modes the run is compressed
+    /// in time like the LLM scenarios' (replicas and arrivals that much faster) on top of being
+    /// shortened, since a shortened run alone would end before its answers do.
+    pub compressed: bool,
 }
 
 /// What the requests of a Poisson traffic carry beyond their lengths.
@@ -193,6 +197,10 @@ pub fn all() -> Vec<Scenario> {
         noisy_tenant_alone(),
         priority(),
         priority_alone(),
+        noisy_tenant_engine(),
+        noisy_tenant_engine_alone(),
+        priority_engine(),
+        priority_engine_alone(),
         prefix(),
         prefix_session(),
         long_context(),
@@ -256,6 +264,7 @@ fn hetero() -> Scenario {
                 stream_fraction: 1.0,
                 duration: 12.0,
                 mix: Mix::default(),
+                compressed: false,
             },
         ))),
     }
@@ -279,6 +288,7 @@ fn homog() -> Scenario {
                 stream_fraction: 0.5,
                 duration: 15.0,
                 mix: Mix::default(),
+                compressed: false,
             },
         ))),
     }
@@ -301,6 +311,7 @@ fn burst_scaleup() -> Scenario {
                     stream_fraction: 1.0,
                     duration: 9.0,
                     mix: Mix::default(),
+                    compressed: false,
                 },
             )
         })),
@@ -337,6 +348,7 @@ fn half_load() -> Poisson {
         stream_fraction: 1.0,
         duration: 8.0,
         mix: Mix::default(),
+        compressed: false,
     }
 }
 
@@ -369,6 +381,7 @@ fn overload_routing(mix: Mix) -> Routing {
                 stream_fraction: 1.0,
                 duration: 20.0,
                 mix,
+                compressed: false,
             },
         )
     }
@@ -387,6 +400,7 @@ fn hetero_stream() -> Scenario {
                 stream_fraction: 1.0,
                 duration: 20.0,
                 mix: Mix::default(),
+                compressed: false,
             },
         ))),
     }
@@ -418,6 +432,7 @@ fn equal_replicas(load_fraction: f64, mix: Mix) -> Routing {
             stream_fraction: 1.0,
             duration: 20.0,
             mix,
+            compressed: false,
         },
     )
 }
@@ -442,13 +457,113 @@ fn classed_routing(
     }
 }
 
+/// The replicas of the engine-scale tenant and priority scenarios: 4 replicas of 64 sequences
+/// (KV cache enough for every slot's longest answer, so the sequences bind), answers of 200 to
+/// 2,000 tokens at 20 ms + 0.1 ms × batch a token, every request streamed, 60 s of arrivals at
+/// `load_fraction` of their capacity, carrying `classes` (the scenario `parent`'s schedule), or
+/// only the class `only` of it.
+fn engine_classed_routing(
+    parent: &'static str,
+    load_fraction: f64,
+    classes: Vec<Class>,
+    only: Option<&'static str>,
+) -> Routing {
+    Routing {
+        replicas: replicas(&[1.0; 4]),
+        engine: llm_engine(64, 64 * 2_100, 100_000),
+        initial_backends: 4,
+        scale_up_after: None,
+        traffic: Traffic::Poisson(Poisson {
+            load_fraction,
+            burst: 0,
+            lengths: ENGINE_ANSWERS,
+            stream_fraction: 1.0,
+            duration: 60.0,
+            mix: Mix {
+                classes,
+                only,
+                ..Mix::default()
+            },
+            compressed: true,
+        }),
+        slo: CHAT_SLO,
+        reports_overload: only.is_none(),
+        seed_of: Some(parent),
+        classifier: None,
+    }
+}
+
+/// Answer lengths of the engine-scale scenarios.
+const ENGINE_ANSWERS: Lengths = Lengths::LogNormal {
+    median: 300.0,
+    sigma: 0.5,
+    min: 200,
+    max: 2_000,
+};
+
+fn noisy_tenant_engine() -> Scenario {
+    Scenario {
+        name: "noisy-tenant-engine",
+        models: "noisy-tenant at engine scale: 4 replicas of 64 sequences, answers of 200 to 2,000 tokens (seconds each), 120% of their capacity for 60 s, tenant a sending 10 times the rate of tenant b. Whether the router's queue still holds the line (and serves b its share) when each replica batches dozens of long streams. What matters: b's latency against noisy-tenant-engine-alone.",
+        kind: Kind::Routing(Box::new(engine_classed_routing(
+            "noisy-tenant-engine",
+            1.2,
+            noisy_tenant_classes(),
+            None,
+        ))),
+    }
+}
+
+fn noisy_tenant_engine_alone() -> Scenario {
+    Scenario {
+        name: "noisy-tenant-engine-alone",
+        models: "The baseline of noisy-tenant-engine: its tenant b alone (the same b requests at the same times, 11% of the replicas' capacity).",
+        kind: Kind::Routing(Box::new(engine_classed_routing(
+            "noisy-tenant-engine",
+            1.2,
+            noisy_tenant_classes(),
+            Some("b"),
+        ))),
+    }
+}
+
+fn priority_engine() -> Scenario {
+    Scenario {
+        name: "priority-engine",
+        models: "priority at engine scale: 4 replicas of 64 sequences, answers of 200 to 2,000 tokens, 150% of their capacity for 60 s, 20% of the requests marked `x-priority: high`. What matters: the high requests' latency against priority-engine-alone, and what the normal ones pay.",
+        kind: Kind::Routing(Box::new(engine_classed_routing(
+            "priority-engine",
+            1.5,
+            priority_classes(),
+            None,
+        ))),
+    }
+}
+
+fn priority_engine_alone() -> Scenario {
+    Scenario {
+        name: "priority-engine-alone",
+        models: "The baseline of priority-engine: its high requests alone (30% of the replicas' capacity).",
+        kind: Kind::Routing(Box::new(engine_classed_routing(
+            "priority-engine",
+            1.5,
+            priority_classes(),
+            Some("high"),
+        ))),
+    }
+}
+
 /// The traffic of `noisy-tenant`, or of one of its tenants alone.
 fn noisy_tenant_routing(only: Option<&'static str>) -> Routing {
-    let classes = vec![
+    classed_routing("noisy-tenant", 1.2, noisy_tenant_classes(), only)
+}
+
+/// Tenant a sending 10 times the rate of tenant b.
+fn noisy_tenant_classes() -> Vec<Class> {
+    vec![
         Class::new("a", 10.0 / 11.0, &[(TENANT_HEADER, "a")]),
         Class::new("b", 1.0 / 11.0, &[(TENANT_HEADER, "b")]),
-    ];
-    classed_routing("noisy-tenant", 1.2, classes, only)
+    ]
 }
 
 fn noisy_tenant() -> Scenario {
@@ -469,11 +584,15 @@ fn noisy_tenant_alone() -> Scenario {
 
 /// The traffic of `priority`, or of one of its classes alone.
 fn priority_routing(only: Option<&'static str>) -> Routing {
-    let classes = vec![
+    classed_routing("priority", 1.5, priority_classes(), only)
+}
+
+/// 20 % of the requests marked high.
+fn priority_classes() -> Vec<Class> {
+    vec![
         Class::new("high", 0.2, &[(PRIORITY_HEADER, "high")]),
         Class::new("normal", 0.8, &[]),
-    ];
-    classed_routing("priority", 1.5, classes, only)
+    ]
 }
 
 fn priority() -> Scenario {
@@ -715,9 +834,9 @@ impl Routing {
     /// How much faster than real time the scenario runs in `mode`: the LLM scenarios compress
     /// time in quick and smoke modes; Poisson scenarios shorten their duration instead.
     pub fn time_compression(&self, mode: Mode) -> f64 {
-        match self.traffic {
-            Traffic::Poisson(_) => 1.0,
-            Traffic::Users(_) => mode.time_compression(),
+        match &self.traffic {
+            Traffic::Poisson(poisson) if !poisson.compressed => 1.0,
+            Traffic::Poisson(_) | Traffic::Users(_) => mode.time_compression(),
         }
     }
 
@@ -764,7 +883,8 @@ impl Routing {
         Some(share * self.arrival_rate()?)
     }
 
-    /// The arrival rate of the schedule drawn (before a class alone is kept).
+    /// The arrival rate of the schedule drawn (before a class alone is kept), at the default
+    /// mode's speed.
     fn arrival_rate(&self) -> Option<f64> {
         let Traffic::Poisson(poisson) = &self.traffic else {
             return None;
@@ -874,9 +994,11 @@ impl Routing {
         let Traffic::Poisson(poisson) = &self.traffic else {
             return None;
         };
-        let duration = Duration::from_secs_f64(poisson.duration * mode.time_scale());
+        // A compressed run's replicas are that much faster: as many requests, sooner.
+        let compression = self.time_compression(mode);
+        let duration = Duration::from_secs_f64(poisson.duration * mode.time_scale() / compression);
         Some(OpenLoop {
-            rate: self.arrival_rate()?,
+            rate: self.arrival_rate()? * compression,
             duration,
             burst: poisson.burst,
             lengths: poisson.lengths.clone(),
@@ -890,6 +1012,14 @@ impl Routing {
     /// One line describing the set-up.
     pub fn describe(&self, mode: Mode) -> String {
         let traffic = match &self.traffic {
+            Traffic::Poisson(poisson) if poisson.compressed => format!(
+                "{}; {}; {:.0}% streamed; {:.2} s of arrivals{}",
+                self.describe_engine(mode),
+                poisson.lengths.describe(),
+                poisson.stream_fraction * 100.0,
+                poisson.duration * mode.time_scale() / self.time_compression(mode),
+                self.describe_mix(poisson, mode)
+            ),
             Traffic::Poisson(poisson) => self.describe_small_replicas(poisson, mode),
             Traffic::Users(workload) => format!(
                 "{}; {}",
@@ -1120,7 +1250,11 @@ async fn run_routing(
         (Traffic::Poisson(_), None) => return Err(LabError::new("no open-loop load")),
     };
     let (sampling_done, done) = tokio::sync::oneshot::channel();
-    let sampler = matches!(routing.traffic, Traffic::Users(_))
+    let engine_scale = match &routing.traffic {
+        Traffic::Users(_) => true,
+        Traffic::Poisson(poisson) => poisson.compressed,
+    };
+    let sampler = engine_scale
         .then(|| tokio::spawn(sample_engines(stats.clone(), routing.engine.clone(), done)));
     let mut scale_up_error = None;
     if let Some(after) = routing.scale_up_after {

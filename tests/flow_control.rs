@@ -206,6 +206,51 @@ async fn higher_bands_go_first_and_a_low_request_ages_past_them() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn normal_requests_waiting_past_the_aging_time_do_not_hold_back_a_high_one() {
+    // An overload: ten normal requests have waited three times the aging time when a high one
+    // arrives. It goes within the next four dispatches, not after every aged normal request.
+    let balancer = balancer(|c| c.queue.priority_aging = Duration::from_secs(2));
+    let band = |band| Admission {
+        band,
+        ..Admission::default()
+    };
+    let mut lease = one_busy_backend(&balancer).await;
+    let mut normals = Vec::new();
+    for _ in 0..10 {
+        normals.push(queue(&balancer, band(Band::Normal)).await);
+    }
+    advance(Duration::from_secs(6)).await;
+    let high = queue(&balancer, band(Band::High)).await;
+    let mut before = 0;
+    loop {
+        advance(Duration::from_millis(100)).await;
+        lease.finish(OK);
+        settle().await;
+        if high.is_finished() {
+            break;
+        }
+        let index = normals
+            .iter()
+            .position(JoinHandle::is_finished)
+            .expect("a normal request went");
+        lease = normals.remove(index).await.unwrap().unwrap();
+        before += 1;
+        assert!(
+            before < 10,
+            "the high request waited behind every aged normal one"
+        );
+    }
+    // The first dispatch went to the high request: nothing had passed the aged ones over yet,
+    // and the high band still goes first until three dispatches in a row have.
+    assert_eq!(before, 0, "{before} aged normal requests went first");
+    let lease = high.await.unwrap().unwrap();
+    // The aged normal requests then get their share: with the high band empty, every dispatch.
+    lease.finish(OK);
+    settle().await;
+    assert_eq!(normals.iter().filter(|n| n.is_finished()).count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_tenant_sending_more_waits_behind_itself_not_in_front_of_the_others() {
     let balancer = balancer(|_| {});
     let tenant = |tenant| Admission {

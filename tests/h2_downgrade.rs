@@ -468,11 +468,28 @@ async fn router(backend: &Backend) -> TestRouter {
     router_with(backend, round_robin()).await
 }
 
-/// A router that streams request bodies of more than 8 bytes instead of reading them whole.
-async fn streaming_router(backend: &Backend) -> TestRouter {
+/// A router that reads request bodies whole before forwarding them, or (`streaming`) one that
+/// streams bodies of more than 8 bytes.
+async fn body_router(backend: &Backend, streaming: bool) -> TestRouter {
     let mut config = round_robin();
-    config.retry.body_limit = 8;
+    if streaming {
+        config.retry.body_limit = 8;
+    }
     router_with(backend, config).await
+}
+
+/// Asserts that the router refused stream 1 of `h2` and that no whole request reached the
+/// backend (at most part of one, on a connection that was then closed).
+async fn refused_before_any_whole_request(
+    h2: &mut H2,
+    router: &TestRouter,
+    backend: &mut Backend,
+    context: &str,
+) {
+    let outcome = h2.outcome(1).await;
+    assert!(outcome.refused(), "{context}: {outcome:?}");
+    let seen = backend.before_marker(router).await;
+    assert!(nothing_whole(&seen), "{context}: {seen:?}");
 }
 
 /// Whether every connection the backend saw carried at most part of a request and was closed.
@@ -714,11 +731,7 @@ async fn connection_specific_fields_make_the_request_malformed() {
 async fn a_content_length_that_disagrees_with_the_data_sends_no_whole_request() {
     let mut backend = Backend::start().await;
     for streaming in [false, true] {
-        let router = if streaming {
-            streaming_router(&backend).await
-        } else {
-            router(&backend).await
-        };
+        let router = body_router(&backend, streaming).await;
         for (length, data) in [
             (&b"20"[..], &b"0123456789"[..]),
             (b"5", b"0123456789"),
@@ -730,11 +743,8 @@ async fn a_content_length_that_disagrees_with_the_data_sends_no_whole_request() 
             if !data.is_empty() {
                 h2.data(1, data, true).await;
             }
-            let outcome = h2.outcome(1).await;
-            assert!(outcome.refused(), "{length:?}: {outcome:?}");
-            let seen = backend.before_marker(&router).await;
-            // At most part of the request, on a connection that was then closed.
-            assert!(nothing_whole(&seen), "{streaming} {length:?}: {seen:?}");
+            let context = format!("{streaming} {length:?}");
+            refused_before_any_whole_request(&mut h2, &router, &mut backend, &context).await;
         }
     }
 }
@@ -813,11 +823,7 @@ async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
     let mut backend = Backend::start().await;
     // Read whole (the trailers are dropped) and streamed (sent in the chunked trailer block).
     for streaming in [false, true] {
-        let router = if streaming {
-            streaming_router(&backend).await
-        } else {
-            router(&backend).await
-        };
+        let router = body_router(&backend, streaming).await;
         let mut h2 = H2::connect(&router).await;
         h2.headers(1, &request(b"POST", b"/trailers", &[]), false)
             .await;
@@ -885,10 +891,8 @@ async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
                 h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &block(trailer))
                     .await
             );
-            let outcome = h2.outcome(1).await;
-            assert!(outcome.refused(), "{trailer:?}: {outcome:?}");
-            let seen = backend.before_marker(&router).await;
-            assert!(nothing_whole(&seen), "{streaming} {trailer:?}: {seen:?}");
+            let context = format!("{streaming} {trailer:?}");
+            refused_before_any_whole_request(&mut h2, &router, &mut backend, &context).await;
         }
     }
 }
@@ -897,11 +901,7 @@ async fn trailers_keep_only_the_fields_a_trailer_may_carry() {
 async fn a_stream_reset_mid_body_sends_no_whole_request_and_closes_the_backend_connection() {
     let mut backend = Backend::start().await;
     for streaming in [false, true] {
-        let router = if streaming {
-            streaming_router(&backend).await
-        } else {
-            router(&backend).await
-        };
+        let router = body_router(&backend, streaming).await;
         for code in [NO_ERROR, CANCEL] {
             for length in [None, Some(&b"20"[..])] {
                 // A connection to the backend that a later request would reuse.

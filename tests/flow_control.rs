@@ -60,6 +60,13 @@ async fn answer_now(balancer: &Arc<Balancer>, admission: Admission) -> Result<Le
     .expect("answered without waiting")
 }
 
+fn in_band(band: Band) -> Admission {
+    Admission {
+        band,
+        ..Admission::default()
+    }
+}
+
 fn within(millis: u64) -> Admission {
     Admission {
         deadline: Some(Duration::from_millis(millis)),
@@ -154,14 +161,10 @@ async fn a_request_that_would_start_after_its_deadline_is_refused_at_once() {
 #[tokio::test(start_paused = true)]
 async fn higher_bands_go_first_and_a_low_request_ages_past_them() {
     let balancer = balancer(|c| c.queue.priority_aging = Duration::from_secs(2));
-    let band = |band| Admission {
-        band,
-        ..Admission::default()
-    };
     let lease = one_busy_backend(&balancer).await;
-    let normal = queue(&balancer, band(Band::Normal)).await;
-    let low = queue(&balancer, band(Band::Low)).await;
-    let high = queue(&balancer, band(Band::High)).await;
+    let normal = queue(&balancer, in_band(Band::Normal)).await;
+    let low = queue(&balancer, in_band(Band::Low)).await;
+    let high = queue(&balancer, in_band(Band::High)).await;
     // Order of service: high, normal, then low, whatever the order of arrival.
     advance(Duration::from_millis(100)).await;
     lease.finish(OK);
@@ -178,8 +181,8 @@ async fn higher_bands_go_first_and_a_low_request_ages_past_them() {
     let mut highs = Vec::new();
     let mut served = 0;
     while !low.is_finished() {
-        highs.push(queue(&balancer, band(Band::High)).await);
-        highs.push(queue(&balancer, band(Band::High)).await);
+        highs.push(queue(&balancer, in_band(Band::High)).await);
+        highs.push(queue(&balancer, in_band(Band::High)).await);
         advance(Duration::from_millis(250)).await;
         lease.finish(OK);
         settle().await;
@@ -210,17 +213,13 @@ async fn normal_requests_waiting_past_the_aging_time_do_not_hold_back_a_high_one
     // An overload: ten normal requests have waited three times the aging time when a high one
     // arrives. It goes within the next four dispatches, not after every aged normal request.
     let balancer = balancer(|c| c.queue.priority_aging = Duration::from_secs(2));
-    let band = |band| Admission {
-        band,
-        ..Admission::default()
-    };
     let mut lease = one_busy_backend(&balancer).await;
     let mut normals = Vec::new();
     for _ in 0..10 {
-        normals.push(queue(&balancer, band(Band::Normal)).await);
+        normals.push(queue(&balancer, in_band(Band::Normal)).await);
     }
     advance(Duration::from_secs(6)).await;
-    let high = queue(&balancer, band(Band::High)).await;
+    let high = queue(&balancer, in_band(Band::High)).await;
     let mut before = 0;
     loop {
         advance(Duration::from_millis(100)).await;

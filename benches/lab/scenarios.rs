@@ -994,11 +994,10 @@ impl Routing {
         let Traffic::Poisson(poisson) = &self.traffic else {
             return None;
         };
-        // A compressed run's replicas are that much faster: as many requests, sooner.
-        let compression = self.time_compression(mode);
-        let duration = Duration::from_secs_f64(poisson.duration * mode.time_scale() / compression);
+        let duration = Duration::from_secs_f64(self.arrival_seconds(poisson, mode));
         Some(OpenLoop {
-            rate: self.arrival_rate()? * compression,
+            // A compressed run's replicas are that much faster: as many requests, sooner.
+            rate: self.arrival_rate()? * self.time_compression(mode),
             duration,
             burst: poisson.burst,
             lengths: poisson.lengths.clone(),
@@ -1013,12 +1012,9 @@ impl Routing {
     pub fn describe(&self, mode: Mode) -> String {
         let traffic = match &self.traffic {
             Traffic::Poisson(poisson) if poisson.compressed => format!(
-                "{}; {}; {:.0}% streamed; {:.2} s of arrivals{}",
+                "{}; {}",
                 self.describe_engine(mode),
-                poisson.lengths.describe(),
-                poisson.stream_fraction * 100.0,
-                poisson.duration * mode.time_scale() / self.time_compression(mode),
-                self.describe_mix(poisson, mode)
+                self.describe_arrivals(poisson, mode)
             ),
             Traffic::Poisson(poisson) => self.describe_small_replicas(poisson, mode),
             Traffic::Users(workload) => format!(
@@ -1041,16 +1037,32 @@ impl Routing {
             .collect();
         let config = &self.engine;
         format!(
-            "{} replicas (speeds {}; {} slots; prefill {} ms, step {} + {} × batch ms at speed 1); {}; {:.0}% streamed; {:.1} s of arrivals{}",
+            "{} replicas (speeds {}; {} slots; prefill {} ms, step {} + {} × batch ms at speed 1); {}",
             self.replicas.len(),
             speeds.join(", "),
             config.slots,
             config.prefill_ms,
             config.step_ms,
             config.step_per_batch_ms,
+            self.describe_arrivals(poisson, mode),
+        )
+    }
+
+    /// Seconds of arrivals of `poisson` in `mode`: shortened, and compressed in time when the
+    /// run is.
+    fn arrival_seconds(&self, poisson: &Poisson, mode: Mode) -> f64 {
+        poisson.duration * mode.time_scale() / self.time_compression(mode)
+    }
+
+    /// The answers, the arrivals and what the requests carry, as the tail of the set-up line.
+    fn describe_arrivals(&self, poisson: &Poisson, mode: Mode) -> String {
+        let seconds = self.arrival_seconds(poisson, mode);
+        // Tenths of a second, or hundredths for a compressed run's short spans.
+        let decimals = if poisson.compressed { 2 } else { 1 };
+        format!(
+            "{}; {:.0}% streamed; {seconds:.decimals$} s of arrivals{}",
             poisson.lengths.describe(),
             poisson.stream_fraction * 100.0,
-            poisson.duration * mode.time_scale(),
             if poisson.burst > 0 {
                 format!(", burst of {} at 0 s", poisson.burst)
             } else {

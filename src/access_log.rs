@@ -13,12 +13,15 @@
 //! ```json
 //! {"time":"2026-12-01T10:00:00.123Z","method":"POST","path":"/v1/chat/completions","status":200,
 //!  "backend":"10.0.0.2:8000","attempts":1,"queue_ms":0.0,"ttfb_ms":412.7,"duration_ms":9120.3,
-//!  "bytes_in":1234,"bytes_out":20480,"reason":null,"trace_id":null}
+//!  "bytes_in":1234,"bytes_out":20480,"band":"normal","prompt_tokens":2048,"uncached_tokens":512,
+//!  "reason":null,"trace_id":null}
 //! ```
 //!
 //! `time` is when the request arrived; `queue_ms` from arrival to the last attempt's dispatch;
 //! `ttfb_ms` from arrival to the response body's first byte; `duration_ms` from arrival to the
-//! response's end; `reason` the refusal reason of a 503 the router wrote (`no_backend`,
+//! response's end; `band` its priority band; `prompt_tokens` the prompt's tokens as the router
+//! counted them and `uncached_tokens` those past the longest prefix the router's index holds for
+//! the last attempt's backend (both `null` when the strategy read no prompt); `reason` the refusal reason of a 503 the router wrote (`no_backend`,
 //! `overloaded`, ...) or the failure kind of a 502/504; `trace_id` the W3C trace id when the
 //! request carried a `traceparent` or traces are on.
 
@@ -66,6 +69,13 @@ pub struct Record {
     pub bytes_in: Option<u64>,
     /// Response body bytes relayed.
     pub bytes_out: u64,
+    /// The request's priority band.
+    pub band: &'static str,
+    /// The prompt's tokens, when the strategy read a prompt.
+    pub prompt_tokens: Option<u32>,
+    /// The prompt tokens past the longest prefix the router's index held for the last
+    /// attempt's backend: what that backend was expected to prefill.
+    pub uncached_tokens: Option<u64>,
     /// Why the router answered itself, if it did.
     pub reason: Option<&'static str>,
     /// The W3C trace id.
@@ -158,16 +168,28 @@ impl Pending {
                 duration_ms: 0.0,
                 bytes_in: None,
                 bytes_out: 0,
+                band: "normal",
+                prompt_tokens: None,
+                uncached_tokens: None,
                 reason: None,
                 trace_id,
             },
         }
     }
 
-    /// An attempt to `backend` was dispatched at `dispatched_at`.
-    pub fn attempt(&mut self, backend: &str, dispatched_at: Instant) {
+    /// What the router read of the request: its priority band's name and, when a prompt was
+    /// read, its tokens.
+    pub fn request(&mut self, band: &'static str, prompt_tokens: Option<u32>) {
+        self.record.band = band;
+        self.record.prompt_tokens = prompt_tokens;
+    }
+
+    /// An attempt to `backend` was dispatched at `dispatched_at`, expected to prefill
+    /// `uncached_tokens` of the prompt (when one was read).
+    pub fn attempt(&mut self, backend: &str, dispatched_at: Instant, uncached_tokens: Option<u64>) {
         self.record.attempts += 1;
         self.record.backend = Some(backend.to_owned());
+        self.record.uncached_tokens = uncached_tokens;
         self.record.queue_ms = Some(millis(
             dispatched_at.saturating_duration_since(self.arrived),
         ));

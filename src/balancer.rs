@@ -874,6 +874,12 @@ impl Lease {
         self.dispatched_at
     }
 
+    /// The prompt tokens the backend is expected to prefill: those past the longest prefix the
+    /// router's index held for it at dispatch (0 without a prompt).
+    pub fn uncached_tokens(&self) -> u64 {
+        self.work.prefill
+    }
+
     /// Marks the answer as a stream (see [`Outcome::streamed`]).
     pub fn mark_streamed(&mut self) {
         self.streamed = true;

@@ -275,6 +275,12 @@ pub async fn proxy(
         let view = RequestView::new(&parts.method, &parts.uri, &headers, body.prefix());
         (balancer.request_info(&view), balancer.admission(&view))
     };
+    if let Some(log) = seen.log.as_mut() {
+        log.request(
+            admission.band.as_str(),
+            info.prompt.as_ref().map(|prompt| prompt.tokens),
+        );
+    }
     let mut body = body;
     // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
     // it can be set.
@@ -339,7 +345,11 @@ pub async fn proxy(
             }
         };
         if let Some(log) = seen.log.as_mut() {
-            log.attempt(lease.backend().addr().as_str(), lease.dispatched_at());
+            log.attempt(
+                lease.backend().addr().as_str(),
+                lease.dispatched_at(),
+                info.prompt.is_some().then(|| lease.uncached_tokens()),
+            );
         }
         let attempt_span = seen.span.as_ref().map(|span| {
             let backend = lease.backend();

@@ -102,6 +102,23 @@ async fn a_dns_name_is_followed_until_set_backends_takes_over() {
     );
 }
 
+/// The router's access log once it holds `count` lines, each parsed: exactly `count` lines (one
+/// per finished request).
+async fn access_log_lines(router: &ChildRouter, count: usize) -> Vec<Value> {
+    let lines = || router.out.lock().unwrap().clone();
+    assert!(
+        eventually(PATIENCE, async || lines().len() >= count).await,
+        "{:?}",
+        lines()
+    );
+    let lines: Vec<Value> = lines()
+        .iter()
+        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
+        .collect();
+    assert_eq!(lines.len(), count, "one line per request: {lines:?}");
+    lines
+}
+
 #[tokio::test]
 async fn the_access_log_has_one_json_line_per_finished_request() {
     let backend = named_backend("logged").await;
@@ -121,17 +138,7 @@ async fn the_access_log_has_one_json_line_per_finished_request() {
     set_backends(router.addr, &[]).await;
     let (status, _) = get(&format!("http://{}/none", router.addr)).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let lines = || router.out.lock().unwrap().clone();
-    assert!(
-        eventually(PATIENCE, async || lines().len() >= 2).await,
-        "{:?}",
-        lines()
-    );
-    let lines: Vec<Value> = lines()
-        .iter()
-        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
-        .collect();
-    assert_eq!(lines.len(), 2, "one line per request: {lines:?}");
+    let lines = access_log_lines(&router, 2).await;
     let proxied = &lines[0];
     assert_eq!(proxied["method"], "POST");
     assert_eq!(proxied["path"], "/v1/chat?x=1");
@@ -158,6 +165,52 @@ async fn the_access_log_has_one_json_line_per_finished_request() {
     assert_eq!(refused["reason"], "no_backend");
     assert_eq!(refused["attempts"], 0);
     assert!(refused["backend"].is_null());
+}
+
+#[tokio::test]
+async fn the_access_log_shows_the_band_and_the_prompt_tokens_the_backend_had_cached() {
+    let backend = named_backend("logged").await;
+    let router = spawn_router_process(&[
+        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
+        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
+    ]);
+    // 1,000 bytes of prompt: 250 tokens, three full blocks of 64 tokens and 58 past them.
+    let body = format!("{{\"prompt\":\"{}\",\"max_tokens\":8}}", "a".repeat(1000));
+    let post = |priority: Option<&'static str>| {
+        let mut request = http::Request::post(format!("http://{}/v1/completions", router.addr));
+        if let Some(priority) = priority {
+            request = request.header("x-priority", priority);
+        }
+        request.body(full(body.clone())).unwrap()
+    };
+    for request in [post(None), post(Some("high"))] {
+        let (status, _, _) = send(request).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    let (status, _) = get(&format!("http://{}/v1/models", router.addr)).await;
+    assert_eq!(status, StatusCode::OK);
+    let seen: Vec<_> = access_log_lines(&router, 3)
+        .await
+        .iter()
+        .map(|line| {
+            (
+                line["band"].clone(),
+                line["prompt_tokens"].clone(),
+                line["uncached_tokens"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            // The backend had nothing of it: the whole prompt to prefill.
+            ("normal".into(), 250.into(), 250.into()),
+            // The same prompt again: its three full blocks are cached there.
+            ("high".into(), 250.into(), 58.into()),
+            // No body: no prompt.
+            ("normal".into(), Value::Null, Value::Null),
+        ]
+    );
 }
 
 fn hangup(router: &ChildRouter) {

@@ -1,5 +1,6 @@
-//! The documentation tables match the code: every environment variable, exported metric and
-//! registered strategy is documented, and every example config file is valid.
+//! The documentation tables match the code: every environment variable, exported metric,
+//! registered strategy and strategy parameter is documented, and every example config file is
+//! valid.
 
 mod common;
 
@@ -93,6 +94,51 @@ fn every_strategy_is_documented_with_an_example_config() {
             "config/{name}.toml selects another strategy"
         );
     }
+}
+
+/// A strategy's parameters, as its factory names them when refusing an unknown one (every
+/// factory reads its table with `deny_unknown_fields`).
+fn parameters_of(entry: &custom_router::strategies::StrategyEntry) -> Vec<String> {
+    let mut table = figment::value::Dict::new();
+    table.insert("not_a_parameter".into(), figment::value::Value::from(1));
+    let context = custom_router::strategies::StrategyContext::default();
+    let Err(error) = (entry.build)(&context, &figment::value::Value::from(table)) else {
+        panic!("{} accepts an unknown parameter", entry.name);
+    };
+    let (_, expected) = error
+        .message
+        .split_once("expected")
+        .unwrap_or_else(|| panic!("{}: {}", entry.name, error.message));
+    // "expected `one of `a`, `b``", or "expected `none`" for a strategy without parameters.
+    expected
+        .split('`')
+        .filter(|name| {
+            !name.is_empty()
+                && *name != "none"
+                && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn every_strategy_parameter_is_in_both_parameter_tables() {
+    let readme = read("README.md");
+    let configuration = read("docs/configuration.md");
+    let mut documented = 0;
+    for entry in REGISTRY {
+        for parameter in parameters_of(entry) {
+            let row = format!("| `{}` | `{parameter}` |", entry.name);
+            assert!(readme.contains(&row), "README lacks the row {row}");
+            assert!(
+                configuration.contains(&row),
+                "docs/configuration.md lacks the row {row}"
+            );
+            documented += 1;
+        }
+    }
+    // queued-least-latency 7, p2c-peak-ewma 3, affinity 5, round-robin none.
+    assert_eq!(documented, 15);
 }
 
 #[test]

@@ -275,11 +275,14 @@ pub async fn proxy(
         let view = RequestView::new(&parts.method, &parts.uri, &headers, body.prefix());
         (balancer.request_info(&view), balancer.admission(&view))
     };
-    if let Some(log) = seen.log.as_mut() {
-        log.request(
-            admission.band.as_str(),
-            info.prompt.as_ref().map(|prompt| prompt.tokens),
-        );
+    if seen.log.is_some() || seen.span.is_some() {
+        let prompt_tokens = info.prompt.as_ref().map(|prompt| prompt.tokens);
+        if let Some(log) = seen.log.as_mut() {
+            log.request(admission.band.as_str(), prompt_tokens);
+        }
+        if let Some(span) = seen.span.as_ref() {
+            span.request(admission.band.as_str(), prompt_tokens);
+        }
     }
     let mut body = body;
     // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
@@ -361,6 +364,7 @@ pub async fn proxy(
                     backend: backend.addr().as_str(),
                     in_flight: backend.in_flight(),
                     ewma_latency: backend.ewma_latency(),
+                    uncached_tokens: info.prompt.is_some().then(|| lease.uncached_tokens()),
                 },
             );
             head.set_traceparent(&span.traceparent());

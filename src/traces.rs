@@ -5,7 +5,9 @@
 //! `traceparent` when it sent one, with children: `queue` (admission, from arrival until a
 //! backend was leased) and one client span per attempt (`{method} attempt`, with the backend,
 //! the attempt number, the strategy and what it saw of the backend it chose: in-flight
-//! requests and EWMA latency; then the status or the error kind). Each attempt sends the backend
+//! requests, EWMA latency and, for a prompt, the tokens it was expected to prefill; then the
+//! status or the error kind). The server span carries the request's priority band and, when a
+//! prompt was read, its tokens. Each attempt sends the backend
 //! a `traceparent` naming its own span, in place of the client's. The server span ends with the
 //! response body (its status and bytes relayed).
 //!
@@ -121,6 +123,19 @@ impl RequestSpan {
         self.context.span().span_context().trace_id().to_string()
     }
 
+    /// What the router read of the request: its priority band's name and, when a prompt was
+    /// read, its tokens.
+    pub fn request(&self, band: &'static str, prompt_tokens: Option<u32>) {
+        let span = self.context.span();
+        span.set_attribute(KeyValue::new("custom_router.priority", band));
+        if let Some(tokens) = prompt_tokens {
+            span.set_attribute(KeyValue::new(
+                "custom_router.prompt.tokens",
+                i64::from(tokens),
+            ));
+        }
+    }
+
     /// The request starts waiting for admission.
     pub fn queue_started(&mut self) {
         self.queue = Some(
@@ -144,7 +159,7 @@ impl RequestSpan {
 
     /// A client span for attempt `number` to `backend`, with the routing decision that chose it.
     pub fn attempt(&self, method: &str, number: u32, decision: Decision<'_>) -> AttemptSpan {
-        let span = self
+        let mut span = self
             .traces
             .tracer
             .span_builder(format!("{method} attempt"))
@@ -160,6 +175,12 @@ impl RequestSpan {
                 ),
             ])
             .start_with_context(&self.traces.tracer, &self.context);
+        if let Some(tokens) = decision.uncached_tokens {
+            span.set_attribute(KeyValue::new(
+                "custom_router.prompt.uncached_tokens",
+                i64::try_from(tokens).unwrap_or(i64::MAX),
+            ));
+        }
         AttemptSpan { span }
     }
 
@@ -192,6 +213,9 @@ pub struct Decision<'a> {
     pub in_flight: usize,
     /// The backend's EWMA latency in seconds, if measured.
     pub ewma_latency: Option<f64>,
+    /// The prompt tokens past the longest prefix the router's index held for the backend, when
+    /// a prompt was read.
+    pub uncached_tokens: Option<u64>,
 }
 
 /// One attempt's client span.

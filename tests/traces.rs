@@ -33,6 +33,7 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
     let spans: Arc<Mutex<Vec<Span>>> = Arc::default();
     let services: Arc<Mutex<Vec<String>>> = Arc::default();
     let (sink, names) = (Arc::clone(&spans), Arc::clone(&services));
+    let exported = Arc::clone(&spans);
     let collector = spawn_backend(move |request: http::Request<hyper::body::Incoming>| {
         let (sink, names) = (Arc::clone(&sink), Arc::clone(&names));
         async move {
@@ -152,6 +153,16 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
         attribute(&server, "http.response.status_code"),
         Some(AnyValue::IntValue(200))
     );
+    // No body: the normal band, no prompt.
+    assert_eq!(
+        attribute(&server, "custom_router.priority"),
+        Some(AnyValue::StringValue("normal".into()))
+    );
+    assert_eq!(attribute(&server, "custom_router.prompt.tokens"), None);
+    assert_eq!(
+        attribute(&attempt, "custom_router.prompt.uncached_tokens"),
+        None
+    );
     assert!(
         services
             .lock()
@@ -163,6 +174,41 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
     assert!(eventually(PATIENCE, async || !router.out.lock().unwrap().is_empty()).await);
     let line: Value = serde_json::from_str(&router.out.lock().unwrap()[0]).unwrap();
     assert_eq!(line["trace_id"], trace_id);
+
+    // A prompt of 1,000 bytes (250 tokens) in the high band: the server span has both, the
+    // attempt the tokens its backend had to prefill (all of them: it had seen none).
+    let request = http::Request::post(format!("http://{}/v1/completions", router.addr))
+        .header("x-priority", "high")
+        .body(full(format!("{{\"prompt\":\"{}\"}}", "a".repeat(1000))))
+        .unwrap();
+    let (status, _, _) = send(request).await;
+    assert_eq!(status, StatusCode::OK);
+    let find = |name: &str| {
+        exported
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.name == name)
+            .cloned()
+    };
+    assert!(
+        eventually(PATIENCE, async || find("POST").is_some()
+            && find("POST attempt").is_some())
+        .await
+    );
+    let (server, attempt) = (find("POST").unwrap(), find("POST attempt").unwrap());
+    assert_eq!(
+        attribute(&server, "custom_router.priority"),
+        Some(AnyValue::StringValue("high".into()))
+    );
+    assert_eq!(
+        attribute(&server, "custom_router.prompt.tokens"),
+        Some(AnyValue::IntValue(250))
+    );
+    assert_eq!(
+        attribute(&attempt, "custom_router.prompt.uncached_tokens"),
+        Some(AnyValue::IntValue(250))
+    );
 }
 
 #[tokio::test]

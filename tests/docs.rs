@@ -1,8 +1,10 @@
 //! The documentation tables match the code: every environment variable, exported metric,
-//! registered strategy and strategy parameter is documented, and every example config file is
-//! valid.
+//! registered strategy and strategy parameter is documented (the README's metric labels as in
+//! docs/metrics.md), and every example config file is valid.
 
 mod common;
+
+use std::collections::BTreeMap;
 
 use common::rendered_metrics;
 use custom_router::config::{ENV_VARS, MOVED_KEYS};
@@ -75,6 +77,28 @@ fn every_exported_metric_is_documented() {
             "docs/metrics.md lacks {name}"
         );
     }
+}
+
+/// Each metric's labels column in a markdown table (`| \`name\` | type | labels | ... |`).
+fn metric_labels(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let name = cells
+                .get(1)?
+                .strip_prefix("`custom_router_")?
+                .strip_suffix('`')?;
+            Some((name.to_owned(), cells.get(3)?.to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_readme_and_the_metrics_reference_give_each_metric_the_same_labels() {
+    let readme = metric_labels(&read("README.md"));
+    let reference = metric_labels(&read("docs/metrics.md"));
+    assert!(readme.len() >= 20, "{readme:?}");
+    assert_eq!(readme, reference);
 }
 
 #[test]

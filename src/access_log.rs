@@ -21,9 +21,10 @@
 //! `ttfb_ms` from arrival to the response body's first byte; `duration_ms` from arrival to the
 //! response's end; `band` its priority band; `prompt_tokens` the prompt's tokens as the router
 //! counted them and `uncached_tokens` those past the longest prefix the router's index holds for
-//! the last attempt's backend (both `null` when the strategy read no prompt); `reason` the refusal reason of a 503 the router wrote (`no_backend`,
-//! `overloaded`, ...) or the failure kind of a 502/504; `trace_id` the W3C trace id when the
-//! request carried a `traceparent` or traces are on.
+//! the last attempt's backend (both `null` when the strategy read no prompt); `reason` the
+//! refusal reason of a 503 the router wrote (`no_backend`, `overloaded`, ...) or the failure kind
+//! of a 502/504; `trace_id` the W3C trace id when the request carried a `traceparent` or traces
+//! are on.
 
 use std::io::Write;
 use std::sync::Arc;

@@ -347,11 +347,12 @@ pub async fn proxy(
                 return logged(seen, response::rejection(rejection), reason);
             }
         };
+        let uncached_tokens = info.prompt.is_some().then(|| lease.uncached_tokens());
         if let Some(log) = seen.log.as_mut() {
             log.attempt(
                 lease.backend().addr().as_str(),
                 lease.dispatched_at(),
-                info.prompt.is_some().then(|| lease.uncached_tokens()),
+                uncached_tokens,
             );
         }
         let attempt_span = seen.span.as_ref().map(|span| {
@@ -364,7 +365,7 @@ pub async fn proxy(
                     backend: backend.addr().as_str(),
                     in_flight: backend.in_flight(),
                     ewma_latency: backend.ewma_latency(),
-                    uncached_tokens: info.prompt.is_some().then(|| lease.uncached_tokens()),
+                    uncached_tokens,
                 },
             );
             head.set_traceparent(&span.traceparent());

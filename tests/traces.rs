@@ -33,7 +33,6 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
     let spans: Arc<Mutex<Vec<Span>>> = Arc::default();
     let services: Arc<Mutex<Vec<String>>> = Arc::default();
     let (sink, names) = (Arc::clone(&spans), Arc::clone(&services));
-    let exported = Arc::clone(&spans);
     let collector = spawn_backend(move |request: http::Request<hyper::body::Incoming>| {
         let (sink, names) = (Arc::clone(&sink), Arc::clone(&names));
         async move {
@@ -103,12 +102,19 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
         "the client's span is not passed on as the parent"
     );
 
-    let complete = || {
-        let spans = spans.lock().unwrap();
-        spans.iter().any(|s| s.name == "GET") && spans.iter().any(|s| s.name == "GET attempt")
+    // The first exported span named `name`, if any yet.
+    let find = |name: &str| {
+        spans
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.name == name)
+            .cloned()
     };
     assert!(
-        eventually(PATIENCE, async || complete()).await,
+        eventually(PATIENCE, async || find("GET").is_some()
+            && find("GET attempt").is_some())
+        .await,
         "spans exported: {:?}",
         spans
             .lock()
@@ -117,11 +123,9 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
             .map(|s| &s.name)
             .collect::<Vec<_>>()
     );
-    let spans = spans.lock().unwrap().clone();
-    let find = |name: &str| spans.iter().find(|s| s.name == name).unwrap().clone();
-    let server = find("GET");
-    let attempt = find("GET attempt");
-    let queue = find("queue");
+    let server = find("GET").unwrap();
+    let attempt = find("GET attempt").unwrap();
+    let queue = find("queue").unwrap();
     for span in [&server, &attempt, &queue] {
         assert_eq!(hex(&span.trace_id), trace_id, "{}", span.name);
     }
@@ -183,14 +187,6 @@ async fn a_request_is_one_trace_continued_from_the_client_and_passed_to_the_back
         .unwrap();
     let (status, _, _) = send(request).await;
     assert_eq!(status, StatusCode::OK);
-    let find = |name: &str| {
-        exported
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|s| s.name == name)
-            .cloned()
-    };
     assert!(
         eventually(PATIENCE, async || find("POST").is_some()
             && find("POST attempt").is_some())

@@ -501,16 +501,21 @@ const ENGINE_ANSWERS: Lengths = Lengths::LogNormal {
     max: 2_000,
 };
 
+/// The traffic of `noisy-tenant-engine`, or of one of its tenants alone.
+fn noisy_tenant_engine_routing(only: Option<&'static str>) -> Routing {
+    engine_classed_routing("noisy-tenant-engine", 1.2, noisy_tenant_classes(), only)
+}
+
+/// The traffic of `priority-engine`, or of one of its classes alone.
+fn priority_engine_routing(only: Option<&'static str>) -> Routing {
+    engine_classed_routing("priority-engine", 1.5, priority_classes(), only)
+}
+
 fn noisy_tenant_engine() -> Scenario {
     Scenario {
         name: "noisy-tenant-engine",
         models: "noisy-tenant at engine scale: 4 replicas of 64 sequences, answers of 200 to 2,000 tokens (seconds each), 120% of their capacity for 60 s, tenant a sending 10 times the rate of tenant b. Whether the router's queue still holds the line (and serves b its share) when each replica batches dozens of long streams. What matters: b's latency against noisy-tenant-engine-alone.",
-        kind: Kind::Routing(Box::new(engine_classed_routing(
-            "noisy-tenant-engine",
-            1.2,
-            noisy_tenant_classes(),
-            None,
-        ))),
+        kind: Kind::Routing(Box::new(noisy_tenant_engine_routing(None))),
     }
 }
 
@@ -518,12 +523,7 @@ fn noisy_tenant_engine_alone() -> Scenario {
     Scenario {
         name: "noisy-tenant-engine-alone",
         models: "The baseline of noisy-tenant-engine: its tenant b alone (the same b requests at the same times, 11% of the replicas' capacity).",
-        kind: Kind::Routing(Box::new(engine_classed_routing(
-            "noisy-tenant-engine",
-            1.2,
-            noisy_tenant_classes(),
-            Some("b"),
-        ))),
+        kind: Kind::Routing(Box::new(noisy_tenant_engine_routing(Some("b")))),
     }
 }
 
@@ -531,12 +531,7 @@ fn priority_engine() -> Scenario {
     Scenario {
         name: "priority-engine",
         models: "priority at engine scale: 4 replicas of 64 sequences, answers of 200 to 2,000 tokens, 150% of their capacity for 60 s, 20% of the requests marked `x-priority: high`. What matters: the high requests' latency against priority-engine-alone, and what the normal ones pay.",
-        kind: Kind::Routing(Box::new(engine_classed_routing(
-            "priority-engine",
-            1.5,
-            priority_classes(),
-            None,
-        ))),
+        kind: Kind::Routing(Box::new(priority_engine_routing(None))),
     }
 }
 
@@ -544,12 +539,7 @@ fn priority_engine_alone() -> Scenario {
     Scenario {
         name: "priority-engine-alone",
         models: "The baseline of priority-engine: its high requests alone (30% of the replicas' capacity).",
-        kind: Kind::Routing(Box::new(engine_classed_routing(
-            "priority-engine",
-            1.5,
-            priority_classes(),
-            Some("high"),
-        ))),
+        kind: Kind::Routing(Box::new(priority_engine_routing(Some("high")))),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The documentation tables match the code: every environment variable, exported metric,
 //! registered strategy and strategy parameter is documented (the README's metric labels as in
-//! docs/metrics.md), and every example config file is valid.
+//! docs/metrics.md), every source file has a row in the module map, and every example config
+//! file is valid.
 
 mod common;
 
@@ -213,4 +214,37 @@ fn every_method_of_the_strategy_trait_is_documented() {
             "docs/adding-a-strategy.md lacks Strategy::{name}"
         );
     }
+}
+
+#[test]
+fn every_source_file_has_a_row_in_the_module_map() {
+    let architecture = read("docs/architecture.md");
+    let map = architecture
+        .split("## Module map")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("docs/architecture.md has a module map");
+    let mut files = Vec::new();
+    let mut folders = vec!["src".to_owned(), "strategies".to_owned()];
+    while let Some(folder) = folders.pop() {
+        let dir = format!("{}/{folder}", env!("CARGO_MANIFEST_DIR"));
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{dir}: {e}")) {
+            let entry = entry.unwrap();
+            let name = format!("{folder}/{}", entry.file_name().to_string_lossy());
+            if entry.file_type().unwrap().is_dir() {
+                folders.push(name);
+            } else if name.ends_with(".rs") {
+                files.push(name);
+            }
+        }
+    }
+    assert!(files.len() > 30, "found only {files:?}");
+    let missing: Vec<_> = files
+        .iter()
+        .filter(|file| !map.contains(&format!("| `{file}` |")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "no row in docs/architecture.md's module map for {missing:?}"
+    );
 }

@@ -14,6 +14,7 @@ use http_body_util::Either;
 use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::h1::drop_underscore_fields;
 use crate::h1::server::RequestBody as H1Body;
 use crate::h1::{Connection, ResponseStream, StallTimer};
 
@@ -96,14 +97,18 @@ pub type ClientBody = Either<H1Body, H2Body>;
 pub struct H2Body {
     inner: Incoming,
     stall: StallTimer,
+    /// Whether trailer fields whose names contain `_` are kept, as those of the head are.
+    allow_underscore_headers: bool,
 }
 
 impl H2Body {
-    /// `inner`, failing after `timeout` without a frame.
-    pub fn new(inner: Incoming, timeout: Duration) -> Self {
+    /// `inner`, failing after `timeout` without a frame; its trailers lose the fields whose
+    /// names contain `_` unless `allow_underscore_headers`.
+    pub fn new(inner: Incoming, timeout: Duration, allow_underscore_headers: bool) -> Self {
         Self {
             inner,
             stall: StallTimer::new(timeout),
+            allow_underscore_headers,
         }
     }
 }
@@ -127,8 +132,16 @@ impl Body for H2Body {
                 );
                 Poll::Ready(Some(Err(Box::new(error))))
             }
-            Poll::Ready(frame) => {
+            Poll::Ready(mut frame) => {
                 this.stall.progressed();
+                if let Some(Ok(frame)) = frame.as_mut() {
+                    match frame.trailers_mut() {
+                        Some(trailers) if !this.allow_underscore_headers => {
+                            drop_underscore_fields(trailers);
+                        }
+                        _ => {}
+                    }
+                }
                 Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
             }
             Poll::Pending if this.stall.stalled(cx) => {

@@ -328,6 +328,11 @@ pub async fn proxy(
         if let Some(span) = seen.span.as_mut() {
             span.queue_ended(admitted.as_ref().err().map(|r| response::reason(*r)));
         }
+        // A failure retry took its retry from the budget before it was admitted: with no
+        // backend to try it on, it is given back.
+        if last_failure.is_some() && !matches!(admitted, Ok(Some(_))) {
+            policy.retry_budget.refund();
+        }
         let lease = match admitted {
             Ok(Some(lease)) => lease,
             Ok(None) => {

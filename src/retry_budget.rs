@@ -95,6 +95,16 @@ impl RetryBudget {
             false
         }
     }
+
+    /// Gives back a retry taken for an attempt that was never made (no backend was left to
+    /// try): counted off the current second (approximate if a second passed since).
+    pub fn refund(&self) {
+        let _ = self.current().1.retries.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |retries| retries.checked_sub(1),
+        );
+    }
 }
 
 #[cfg(test)]
@@ -118,6 +128,9 @@ mod tests {
             min_per_second: 1.0,
         });
         assert_eq!(drain(&budget), 10);
+        // A retry given back may be taken again, once.
+        budget.refund();
+        assert_eq!(drain(&budget), 1);
         // 100 requests earn 20 more.
         for _ in 0..100 {
             budget.deposit();

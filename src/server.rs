@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::Either;
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response, StatusCode, header};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -201,12 +201,18 @@ async fn serve_h2(
             let client = Arc::clone(&client);
             let stream = streams.open();
             async move {
-                if let Some(refusal) = h2_refusal(&request) {
-                    let answer = response::error(http::StatusCode::BAD_REQUEST, refusal);
+                let mut request = request;
+                if let Err((status, refusal)) = h2_as_http1(&mut request, &limits) {
+                    let answer = response::error(status, refusal);
                     return Ok(answer.map(|body| h2::Watched::new(body, stream)));
                 }
-                let request = request
-                    .map(|body| ClientBody::Right(H2Body::new(body, limits.body_read_timeout)));
+                let request = request.map(|body| {
+                    ClientBody::Right(H2Body::new(
+                        body,
+                        limits.body_read_timeout,
+                        limits.allow_underscore_headers,
+                    ))
+                });
                 let mut answer = route(&shared, request, None, &client).await;
                 fields_into_map(&mut answer);
                 Ok::<_, Infallible>(answer.map(|body| h2::Watched::new(body, stream)))
@@ -250,39 +256,97 @@ async fn serve_h2(
     }
 }
 
-/// Why an HTTP/2 request that hyper accepted is answered 400 instead of being forwarded, if it
-/// is: what the backend would read from its HTTP/1.1 head must be what the client asked.
-fn h2_refusal(request: &Request<hyper::body::Incoming>) -> Option<&'static str> {
+/// Makes an HTTP/2 request that hyper accepted into what its HTTP/1.1 head will say, or says
+/// why it is answered instead (400, or 431 for too many fields): what the backend reads from
+/// that head must be what the client asked, held to the HTTP/1 server's rules (RFC 9113 §8.3.1
+/// for the authority, §8.2.3 for cookies).
+fn h2_as_http1(
+    request: &mut Request<hyper::body::Incoming>,
+    limits: &h1::server::Limits,
+) -> Result<(), (StatusCode, &'static str)> {
+    let bad = |refusal| Err((StatusCode::BAD_REQUEST, refusal));
+    let headers = request.headers_mut();
+    // As many fields as the HTTP/1 server takes: the backend reads them as an HTTP/1.1 head.
+    if headers.len() > h1::MAX_HEADERS {
+        return Err((
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "too many header fields",
+        ));
+    }
+    if !limits.allow_underscore_headers {
+        h1::drop_underscore_fields(headers);
+    }
     // One `Host` and one `Content-Length` at most (RFC 9112 §3.2, §6.3), as the HTTP/1 server
     // and nginx require: h2 only checks that repeated lengths agree, and a backend would read
-    // repeated fields as it likes.
-    let headers = request.headers();
+    // repeated fields as it likes. The length is held to the HTTP/1 syntax (h2 takes an empty
+    // value for 0).
     for (name, refusal) in [
-        (http::header::HOST, "duplicate Host"),
-        (http::header::CONTENT_LENGTH, "duplicate Content-Length"),
+        (header::HOST, "duplicate Host"),
+        (header::CONTENT_LENGTH, "duplicate Content-Length"),
     ] {
         if headers.get_all(name).iter().nth(1).is_some() {
-            return Some(refusal);
+            return bad(refusal);
         }
     }
-    // The `Host` (else the `:authority`) goes to the backend as it is: held to the HTTP/1
-    // server's rule.
-    let host = headers.get(http::header::HOST).map(|host| host.as_bytes());
-    let host = host.or_else(|| Some(request.uri().authority()?.as_str().as_bytes()));
-    if host.is_some_and(|host| !h1::server::valid_host(host)) {
-        return Some("invalid Host");
+    if let Some(length) = headers.get(header::CONTENT_LENGTH) {
+        if h1::parse_content_length(length.as_bytes()).is_err() {
+            return bad("invalid Content-Length");
+        }
+    }
+    // The `:authority` is the `Host` the backend reads, held to the HTTP/1 server's rule (and
+    // without user information); a `host` field that says otherwise is malformed (RFC 9113
+    // §8.3.1), and a request with neither is the HTTP/1.1 request without `Host` the HTTP/1
+    // server refuses.
+    let authority = request
+        .uri()
+        .authority()
+        .map(|authority| authority.as_str().as_bytes());
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .map(HeaderValue::as_bytes);
+    if authority
+        .is_some_and(|authority| authority.contains(&b'@') || !h1::server::valid_host(authority))
+        || host.is_some_and(|host| !h1::server::valid_host(host))
+    {
+        return bad("invalid Host");
+    }
+    match (authority, host) {
+        (Some(authority), Some(host)) if !authority.eq_ignore_ascii_case(host) => {
+            return bad("Host differs from :authority");
+        }
+        (None, None) => return bad("request without Host"),
+        _ => {}
+    }
+    // Cookies split into fields of their own (as browsers send them over HTTP/2) are one line
+    // again, joined with "; " (RFC 9113 §8.2.3).
+    let headers = request.headers_mut();
+    if headers.get_all(header::COOKIE).iter().nth(1).is_some() {
+        let mut joined = Vec::new();
+        for (at, value) in headers.get_all(header::COOKIE).iter().enumerate() {
+            if at > 0 {
+                joined.extend_from_slice(b"; ");
+            }
+            joined.extend_from_slice(value.as_bytes());
+        }
+        match HeaderValue::from_bytes(&joined) {
+            Ok(joined) => {
+                headers.insert(header::COOKIE, joined);
+            }
+            Err(_) => return bad("invalid Cookie"),
+        }
     }
     // The `:path` becomes the request target: origin form, or asterisk form for OPTIONS only
     // (RFC 9113 §8.3.1), as the HTTP/1 server requires. hyper lets a path that starts with `?`
     // through (`GET ?a HTTP/1.1`).
     let uri = request.uri();
     if let Some(refusal) = h1::server::target_form_refusal(request.method(), uri) {
-        return Some(refusal);
+        return bad(refusal);
     }
     let target = uri.path_and_query().map(|path| path.as_str());
     match target {
-        Some(target) if target != "*" && !target.starts_with('/') => Some("invalid request target"),
-        _ => None,
+        Some(target) if target != "*" && !target.starts_with('/') => bad("invalid request target"),
+        _ => Ok(()),
     }
 }
 

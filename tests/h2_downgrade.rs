@@ -2,7 +2,12 @@
 //! that disagrees with `Content-Length`, trailers, resets mid-body and oversized header blocks,
 //! sent as raw frames by an h2c client (hyper's and h2's clients refuse to send most of them).
 //! Each vector checks what a raw backend received: one well-formed request with exactly the body
-//! the client framed, or nothing.
+//! the client framed, or nothing. The fields the HTTP/1 server drops or refuses are dropped or
+//! refused over HTTP/2 too, and the authority and cookies become one `Host` and one `Cookie`.
+//!
+//! Then the other direction: HTTP/1 answers as a hyper HTTP/2 client gets them (the h2 crate
+//! fails a stream whose answer carries a connection-specific field, so a clean answer proves
+//! none leaked), and resets that leave a backend connection in an unknown state.
 
 mod common;
 
@@ -12,6 +17,9 @@ use std::time::Duration;
 
 use common::*;
 use custom_router::config::Config;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -53,6 +61,35 @@ enum Seen {
     Closed { connection: usize, left: Vec<u8> },
 }
 
+/// What the backend writes for one request: pieces (each after its pause), then maybe a close.
+struct Reply {
+    writes: Vec<(Duration, Vec<u8>)>,
+    close: bool,
+}
+
+impl Reply {
+    fn now(bytes: &[u8]) -> Self {
+        Self {
+            writes: vec![(Duration::ZERO, bytes.to_vec())],
+            close: false,
+        }
+    }
+}
+
+/// The default answer: 200 with the request's path as the body.
+fn echo_path(head: &str) -> Reply {
+    let path = head.split(' ').nth(1).unwrap_or("");
+    Reply::now(
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}",
+            path.len()
+        )
+        .as_bytes(),
+    )
+}
+
+type ReplyFn = Arc<dyn Fn(&str) -> Reply + Send + Sync>;
+
 struct Backend {
     addr: String,
     seen: mpsc::UnboundedReceiver<Seen>,
@@ -60,7 +97,14 @@ struct Backend {
 }
 
 impl Backend {
+    /// A backend that answers each request with its path.
     async fn start() -> Self {
+        Self::start_with(echo_path).await
+    }
+
+    /// A backend that answers each request as `reply` says from its head.
+    async fn start_with(reply: impl Fn(&str) -> Reply + Send + Sync + 'static) -> Self {
+        let reply: ReplyFn = Arc::new(reply);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (sink, seen) = mpsc::unbounded_channel();
@@ -69,7 +113,7 @@ impl Backend {
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let connection = counter.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(serve(stream, connection, sink.clone()));
+                tokio::spawn(serve(stream, connection, sink.clone(), Arc::clone(&reply)));
             }
         });
         Self {
@@ -87,17 +131,18 @@ impl Backend {
             .unwrap()
     }
 
-    /// The next whole request (head and body); connection ends before it are passed over.
-    async fn next_request(&mut self) -> (usize, String, Vec<u8>) {
+    /// The next whole request (head, body and chunked trailer block); connection ends before
+    /// it are passed over.
+    async fn next_request(&mut self) -> (usize, String, Vec<u8>, String) {
         loop {
             if let Seen::Request {
                 connection,
                 head,
                 body,
-                ..
+                trailers,
             } = self.next().await
             {
-                return (connection, head, body);
+                return (connection, head, body, trailers);
             }
         }
     }
@@ -127,18 +172,32 @@ impl Backend {
     }
 }
 
-/// Answers each request of one connection with a 200 of two bytes.
-async fn serve(mut stream: TcpStream, connection: usize, sink: mpsc::UnboundedSender<Seen>) {
+/// Answers each request of one connection as `reply` says.
+async fn serve(
+    mut stream: TcpStream,
+    connection: usize,
+    sink: mpsc::UnboundedSender<Seen>,
+    reply: ReplyFn,
+) {
     let mut buffer = Vec::new();
     while let Some((head, body, trailers)) = read_request(&mut stream, &mut buffer).await {
+        let answer = reply(&head);
         let _ = sink.send(Seen::Request {
             connection,
             head,
             body,
             trailers,
         });
-        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-        if stream.write_all(answer).await.is_err() {
+        for (pause, piece) in answer.writes {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            if stream.write_all(&piece).await.is_err() {
+                break;
+            }
+        }
+        if answer.close {
+            let _ = stream.shutdown().await;
             break;
         }
     }
@@ -468,6 +527,45 @@ async fn router(backend: &Backend) -> TestRouter {
     router_with(backend, round_robin()).await
 }
 
+type Sender = hyper::client::conn::http2::SendRequest<TestBody>;
+
+/// A hyper HTTP/2 client on a connection of its own.
+async fn h2_client(router: &TestRouter) -> Sender {
+    let stream = TcpStream::connect(router.addr).await.unwrap();
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    sender
+}
+
+/// Sends `request` on `sender`: status, headers and whole body (or the error text).
+async fn exchange(
+    sender: &mut Sender,
+    request: Request<TestBody>,
+) -> Result<(StatusCode, http::HeaderMap, Vec<u8>), String> {
+    let sent = async {
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("{e:?}"))?;
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.map_err(|e| format!("{e:?}"))?;
+        Ok((parts.status, parts.headers, body.to_bytes().to_vec()))
+    };
+    tokio::time::timeout(LIMIT, sent)
+        .await
+        .expect("the exchange ends in time")
+}
+
+fn get(router: &TestRouter, path: &str) -> Request<TestBody> {
+    Request::get(router.url(path))
+        .version(http::Version::HTTP_2)
+        .body(full(""))
+        .unwrap()
+}
+
 /// A router that reads request bodies whole before forwarding them, or (`streaming`) one that
 /// streams bodies of more than 8 bytes.
 async fn body_router(backend: &Backend, streaming: bool) -> TestRouter {
@@ -542,7 +640,7 @@ async fn forwarded(
     let mut h2 = H2::connect(router).await;
     h2.headers(1, fields, true).await;
     assert_eq!(h2.outcome(1).await, Outcome::Status(200), "{fields:?}");
-    let (_, head, body) = backend.next_request().await;
+    let (_, head, body, _) = backend.next_request().await;
     assert!(body.is_empty());
     head
 }
@@ -559,7 +657,7 @@ async fn a_plain_request_and_one_in_headers_and_continuation_arrive_whole() {
         .await;
     h2.data(1, b"hello", true).await;
     assert_eq!(h2.outcome(1).await, Outcome::Status(200));
-    let (_, head, body) = backend.next_request().await;
+    let (_, head, body, _) = backend.next_request().await;
     assert!(head.starts_with("POST /a?b=1 HTTP/1.1\r\n"), "{head}");
     assert_eq!(values(&head, "host"), ["router.test"]);
     assert_eq!(values(&head, "x-a"), ["1"]);
@@ -577,7 +675,7 @@ async fn a_plain_request_and_one_in_headers_and_continuation_arrive_whole() {
     assert!(h2.send(CONTINUATION, 0, 3, middle).await);
     assert!(h2.send(CONTINUATION, END_HEADERS, 3, last).await);
     assert_eq!(h2.outcome(3).await, Outcome::Status(200));
-    let (_, head, _) = backend.next_request().await;
+    let (_, head, _, _) = backend.next_request().await;
     assert!(head.starts_with("GET /continued HTTP/1.1\r\n"), "{head}");
     assert_eq!(values(&head, "x-first"), ["1"]);
     assert_eq!(values(&head, "x-second"), ["2"]);
@@ -766,18 +864,31 @@ async fn two_content_lengths_or_two_hosts_reach_no_backend() {
     }
 }
 
+/// The `:authority` is the `Host` the backend reads (RFC 9113 §8.3.1): a `host` field that says
+/// the same goes out once, one that says otherwise is refused (a backend routing on `Host`
+/// would read another host than the one the client's authority named), and so are an authority
+/// with user information and a request with neither (the HTTP/1.1 request without `Host` the
+/// HTTP/1 server refuses).
 #[tokio::test]
-async fn host_disagreeing_with_the_authority_goes_out_as_one_host() {
+async fn the_authority_is_the_host_and_a_host_field_may_not_contradict_it() {
     let mut backend = Backend::start().await;
     let router = router(&backend).await;
     let head = forwarded(
         &router,
         &mut backend,
-        &request(b"GET", b"/host", &[(b"host", b"a.test")]),
+        &request(b"GET", b"/host", &[(b"host", b"Router.Test")]),
     )
     .await;
-    assert_eq!(values(&head, "host"), ["a.test"], "{head}");
-    // Without `:authority`, the `Host`; without either, the backend's.
+    assert_eq!(values(&head, "host"), ["Router.Test"], "{head}");
+    let head = forwarded(&router, &mut backend, &request(b"GET", b"/host", &[])).await;
+    assert_eq!(values(&head, "host"), ["router.test"], "{head}");
+    refused(
+        &router,
+        &mut backend,
+        &request(b"GET", b"/host", &[(b"host", b"internal-admin.test")]),
+    )
+    .await;
+    // Without `:authority`, the `Host`; without either, refused.
     let fields: [(&[u8], &[u8]); 4] = [
         (b":method", b"GET"),
         (b":scheme", b"http"),
@@ -786,8 +897,124 @@ async fn host_disagreeing_with_the_authority_goes_out_as_one_host() {
     ];
     let head = forwarded(&router, &mut backend, &fields).await;
     assert_eq!(values(&head, "host"), ["b.test"], "{head}");
-    let head = forwarded(&router, &mut backend, &fields[..3]).await;
-    assert_eq!(values(&head, "host"), [backend.addr.as_str()], "{head}");
+    refused(&router, &mut backend, &fields[..3]).await;
+    refused(
+        &router,
+        &mut backend,
+        &[
+            (b":method", b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", b"evil.test@router.test"),
+            (b":path", b"/host"),
+        ],
+    )
+    .await;
+}
+
+/// Header names containing `_` are dropped from HTTP/2 requests and their trailers as from
+/// HTTP/1 ones (nginx's `underscores_in_headers off`): a CGI/WSGI backend reads `x_api_key` as
+/// `X-Api-Key`.
+#[tokio::test]
+async fn underscore_field_names_are_dropped_from_heads_and_trailers() {
+    let mut backend = Backend::start().await;
+    let router = body_router(&backend, true).await;
+    let head = forwarded(
+        &router,
+        &mut backend,
+        &request(
+            b"GET",
+            b"/h2",
+            &[
+                (b"x_api_key", b"forged"),
+                (b"x-real-ip_", b"6.6.6.6"),
+                (b"x-kept", b"1"),
+            ],
+        ),
+    )
+    .await;
+    assert!(!head.contains('_'), "{head}");
+    assert_eq!(values(&head, "x-kept"), ["1"], "{head}");
+    // The same over HTTP/1, in a chunked body's trailers.
+    let mut http1 = TcpStream::connect(router.addr).await.unwrap();
+    http1
+        .write_all(b"POST /h1 HTTP/1.1\r\nHost: router.test\r\nx_api_key: forged\r\nTransfer-Encoding: chunked\r\n\r\na\r\n0123456789\r\n0\r\nx_api_key: forged\r\nx-sum: 1\r\n\r\n")
+        .await
+        .unwrap();
+    let (_, head, body, trailers) = backend.next_request().await;
+    assert_eq!(body, b"0123456789", "{head}");
+    assert!(
+        !head.contains('_') && !trailers.contains('_'),
+        "{head}{trailers}"
+    );
+    assert!(trailers.contains("x-sum: 1"), "{trailers:?}");
+    // Over HTTP/2, in the trailers of a streamed body.
+    let mut h2 = H2::connect(&router).await;
+    h2.headers(1, &request(b"POST", b"/trailers", &[]), false)
+        .await;
+    h2.data(1, b"0123456789", false).await;
+    let trailers = block(&[(b"x_api_key", b"forged"), (b"x-sum", b"1")]);
+    assert!(
+        h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &trailers)
+            .await
+    );
+    assert_eq!(h2.outcome(1).await, Outcome::Status(200));
+    let (_, head, body, trailers) = backend.next_request().await;
+    assert_eq!(body, b"0123456789", "{head}");
+    assert!(!trailers.contains('_'), "{trailers:?}");
+    assert!(trailers.contains("x-sum: 1"), "{trailers:?}");
+}
+
+/// RFC 9113 §8.2.3: cookies split into fields of their own (as browsers send them over HTTP/2)
+/// are joined with "; " into one `Cookie` line before the request goes out as HTTP/1.1, as
+/// nginx joins them; many HTTP/1 servers read only the first line.
+#[tokio::test]
+async fn split_cookie_fields_go_out_as_one_cookie_line() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    let head = forwarded(
+        &router,
+        &mut backend,
+        &request(
+            b"GET",
+            b"/cookies",
+            &[(b"cookie", b"session=abc"), (b"cookie", b"csrf=xyz")],
+        ),
+    )
+    .await;
+    assert_eq!(values(&head, "cookie"), ["session=abc; csrf=xyz"], "{head}");
+}
+
+/// The HTTP/1 server's limits on a head's fields hold over HTTP/2: more than 100 fields (431,
+/// though the list is well inside `max_header_list_size`) and a `content-length` that is not
+/// digits (h2 reads an empty one as 0) reach no backend.
+#[tokio::test]
+async fn too_many_fields_or_an_empty_content_length_reach_no_backend() {
+    let mut backend = Backend::start().await;
+    let router = router(&backend).await;
+    let owned: Vec<(Vec<u8>, Vec<u8>)> = (0..150)
+        .map(|index| (format!("x-{index}").into_bytes(), b"v".to_vec()))
+        .collect();
+    let many: Vec<(&[u8], &[u8])> = owned
+        .iter()
+        .map(|(name, value)| (&name[..], &value[..]))
+        .collect();
+    let mut h2 = H2::connect(&router).await;
+    h2.headers(1, &request(b"GET", b"/many", &many), true).await;
+    assert_eq!(h2.outcome(1).await, Outcome::Status(431));
+    refused(
+        &router,
+        &mut backend,
+        &request(b"POST", b"/empty", &[(b"content-length", b"")]),
+    )
+    .await;
+    // At the limit, forwarded.
+    let head = forwarded(
+        &router,
+        &mut backend,
+        &request(b"GET", b"/many", &many[..100]),
+    )
+    .await;
+    assert_eq!(values(&head, "x-99"), ["v"], "{head}");
 }
 
 #[tokio::test]
@@ -981,4 +1208,245 @@ async fn a_huge_header_list_or_endless_continuation_ends_the_stream_or_connectio
     let seen = backend.before_marker(&router).await;
     assert!(nothing_whole(&seen), "{seen:?}");
     assert!(backend.accepted.load(Ordering::SeqCst) >= 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Answers relayed to HTTP/2 clients.
+
+/// Every HTTP/1 connection-specific field, in the lines path and the map path (a `Connection`
+/// that names another field), and an HTTP/1.0 keep-alive answer: the HTTP/2 client gets a
+/// clean answer without any of them (h2 would fail the stream otherwise).
+#[tokio::test]
+async fn connection_specific_response_fields_never_reach_the_h2_client() {
+    let backend = Backend::start_with(|head| {
+        let bytes: &[u8] = match head.split(' ').nth(1).unwrap_or("") {
+            "/lines" => b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nUpgrade: h2c\r\nTE: trailers\r\nTrailer: x-sum\r\nTransfer-Encoding: chunked\r\nX-End: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            "/map" => b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Secret\r\nX-Secret: 1\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nUpgrade: h2c\r\nTE: trailers\r\nTransfer-Encoding: chunked\r\nX-End: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            "/http10" => b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\nX-End: 1\r\n\r\nok",
+            "/upper" => b"HTTP/1.1 200 OK\r\nCONNECTION: Keep-Alive\r\nTRANSFER-ENCODING: chunked\r\nX-End: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n",
+        };
+        Reply::now(bytes)
+    })
+    .await;
+    let router = router(&backend).await;
+    let mut sender = h2_client(&router).await;
+    for path in ["/lines", "/map", "/http10", "/upper"] {
+        let (status, headers, body) = exchange(&mut sender, get(&router, path))
+            .await
+            .unwrap_or_else(|error| panic!("{path}: {error}"));
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert_eq!(body, b"ok", "{path}");
+        assert_eq!(headers["x-end"], "1", "{path}");
+        for name in [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "upgrade",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "x-secret",
+        ] {
+            assert!(!headers.contains_key(name), "{path}: {name}: {headers:?}");
+        }
+    }
+}
+
+/// Interim answers are passed over; a 101, or both a length and chunked, fail the attempt.
+#[tokio::test]
+async fn interim_101_and_double_framing_answers_over_h2() {
+    let backend = Backend::start_with(|head| {
+        let bytes: &[u8] = match head.split(' ').nth(1).unwrap_or("") {
+            "/interim" => b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+            "/switch" => b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nGET /smuggled HTTP/1.1\r\n\r\n",
+            "/both" => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n",
+        };
+        Reply::now(bytes)
+    })
+    .await;
+    let router = router(&backend).await;
+    let mut sender = h2_client(&router).await;
+    let (status, headers, body) = exchange(&mut sender, get(&router, "/interim"))
+        .await
+        .unwrap();
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"ok"[..]));
+    assert!(!headers.contains_key("link"), "{headers:?}");
+    for path in ["/switch", "/both"] {
+        let (status, _, _) = exchange(&mut sender, get(&router, path)).await.unwrap();
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{path}");
+    }
+}
+
+/// A HEAD answer that announces a length and (misbehaving) sends the bytes anyway: the h2
+/// client gets the length and no body, and the next request does not read those bytes.
+#[tokio::test]
+async fn a_head_answer_keeps_its_length_and_its_stray_body_is_never_read_as_an_answer() {
+    let mut backend = Backend::start_with(|head| {
+        if head.starts_with("HEAD ") {
+            Reply::now(b"HTTP/1.1 200 OK\r\ncontent-length: 38\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale")
+        } else {
+            echo_path(head)
+        }
+    })
+    .await;
+    let router = router(&backend).await;
+    let mut sender = h2_client(&router).await;
+    let request = Request::head(router.url("/head"))
+        .version(http::Version::HTTP_2)
+        .body(full(""))
+        .unwrap();
+    let (status, headers, body) = exchange(&mut sender, request).await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-length"], "38");
+    assert!(body.is_empty());
+    backend.next_request().await;
+    let (status, _, body) = exchange(&mut sender, get(&router, "/marker"))
+        .await
+        .unwrap();
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"/marker"[..]));
+}
+
+/// RFC 9110 §8.6: "A server MUST NOT send a Content-Length header field in any response with a
+/// status code of ... 204". nginx clears it; nghttp2-based HTTP/2 clients (curl, Envoy) treat
+/// a 204 with a non-zero `content-length` as a malformed response.
+#[tokio::test]
+async fn a_204_answer_goes_out_without_content_length() {
+    let backend = Backend::start_with(|_| {
+        Reply::now(b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n")
+    })
+    .await;
+    let router = router(&backend).await;
+    let mut sender = h2_client(&router).await;
+    let (status, headers, body) = exchange(&mut sender, get(&router, "/204")).await.unwrap();
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert!(body.is_empty());
+    assert!(!headers.contains_key("content-length"), "{headers:?}");
+}
+
+/// An answer shorter than its length (the backend closes early) reaches the client as a failed
+/// stream, never as a clean shorter body.
+#[tokio::test]
+async fn a_short_answer_is_a_failed_stream_for_the_h2_client() {
+    let backend = Backend::start_with(|_| Reply {
+        writes: vec![(
+            Duration::ZERO,
+            b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n01234".to_vec(),
+        )],
+        close: true,
+    })
+    .await;
+    let router = router(&backend).await;
+    let mut sender = h2_client(&router).await;
+    let result = exchange(&mut sender, get(&router, "/short")).await;
+    assert!(result.is_err(), "{result:?}");
+}
+
+/// The client resets the stream mid-download: the backend connection, with the rest of the body
+/// (and a stray answer) still to come, is closed and never pooled.
+#[tokio::test]
+async fn a_reset_mid_download_closes_the_backend_connection() {
+    let mut backend = Backend::start_with(|head| {
+        if head.starts_with("GET /download ") {
+            Reply {
+                writes: vec![
+                    (
+                        Duration::ZERO,
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 20\r\n\r\n0123456789".to_vec(),
+                    ),
+                    (
+                        Duration::from_millis(300),
+                        b"abcdefghijHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale".to_vec(),
+                    ),
+                ],
+                close: false,
+            }
+        } else {
+            echo_path(head)
+        }
+    })
+    .await;
+    let router = router(&backend).await;
+    let mut sender = h2_client(&router).await;
+    let response = tokio::time::timeout(LIMIT, sender.send_request(get(&router, "/download")))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut body = response.into_body();
+    let first = tokio::time::timeout(LIMIT, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), &b"0123456789"[..]);
+    // Dropping the body resets the stream (CANCEL).
+    drop(body);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, _, body) = exchange(&mut sender, get(&router, "/marker"))
+        .await
+        .unwrap();
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"/marker"[..]));
+    let (seen, marker) = backend.until_marker().await;
+    let download = seen
+        .iter()
+        .find_map(|seen| match seen {
+            Seen::Request {
+                connection, head, ..
+            } if head.starts_with("GET /download ") => Some(*connection),
+            _ => None,
+        })
+        .unwrap();
+    assert_ne!(download, marker, "{seen:?}");
+}
+
+/// The client resets the stream after its whole request was sent, while the backend has not
+/// answered yet: that connection has an answer in flight and must never be pooled.
+#[tokio::test]
+async fn a_reset_while_the_answer_is_awaited_closes_the_backend_connection() {
+    let mut backend = Backend::start_with(|head| {
+        if head.starts_with("POST /slow ") {
+            Reply {
+                writes: vec![(
+                    Duration::from_millis(300),
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale".to_vec(),
+                )],
+                close: false,
+            }
+        } else {
+            echo_path(head)
+        }
+    })
+    .await;
+    for streaming in [false, true] {
+        let mut config = round_robin();
+        if streaming {
+            config.retry.body_limit = 4;
+        }
+        let router = router_with(&backend, config).await;
+        let mut h2 = H2::connect(&router).await;
+        h2.headers(1, &request(b"POST", b"/slow", &[]), false).await;
+        h2.data(1, b"0123456789", true).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(h2.send(RST_STREAM, 0, 1, &0x8u32.to_be_bytes()).await);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        h2.headers(3, &request(b"GET", b"/marker", &[]), true).await;
+        assert_eq!(h2.outcome(3).await, Outcome::Status(200));
+        let (seen, marker) = backend.until_marker().await;
+        for seen in &seen {
+            if let Seen::Request {
+                connection, head, ..
+            } = seen
+            {
+                assert_ne!(*connection, marker, "{streaming}: {head}");
+            }
+        }
+        // The marker's answer is its own.
+        let mut sender = h2_client(&router).await;
+        let (_, _, body) = exchange(&mut sender, get(&router, "/marker"))
+            .await
+            .unwrap();
+        assert_eq!(body, b"/marker", "{streaming}");
+        backend.next_request().await;
+    }
 }

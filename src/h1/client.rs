@@ -581,6 +581,10 @@ fn parse_head(
     let spans = &spans[..count];
     let field = |start: u32, end: u32| &head[start as usize..end as usize];
     let bodiless = head_request || code == 204 || code == 304;
+    // A `Content-Length` on a bodiless answer is passed on where it means the length the body
+    // would have had (a HEAD's, a 304's); a 204 must not carry one (RFC 9110 §8.6), and an
+    // HTTP/2 client may treat one that is not 0 as malformed: dropped, as nginx drops it.
+    let keeps_length = bodiless && code != 204;
     // One pass reads the framing and connection fields and, with `lines`, writes the others
     // there (undone below in the rare case that `Connection` names fields).
     let mut content_length: Option<u64> = None;
@@ -617,7 +621,7 @@ fn parse_head(
                     return Err(invalid("duplicate content-length"));
                 }
                 content_length = Some(parse_content_length(raw_value)?);
-                if !bodiless {
+                if !keeps_length {
                     continue;
                 }
             }
@@ -656,6 +660,7 @@ fn parse_head(
                 let raw_name = field(name_start, name_end);
                 if hop_by_hop(raw_name)
                     .is_some_and(|hop| hop != Hop::Connection || !connection_names_fields)
+                    || (code == 204 && raw_name.eq_ignore_ascii_case(b"content-length"))
                 {
                     continue;
                 }
@@ -917,6 +922,36 @@ mod tests {
             .unwrap();
         assert!(parsed.passthrough.is_none());
         assert_eq!(parsed.headers.len(), 3);
+    }
+
+    #[test]
+    fn a_204_loses_its_content_length_and_a_304_or_head_answer_keeps_it() {
+        let kept = |head: &[u8], head_request: bool| {
+            let mut lines = BytesMut::new();
+            let as_lines = parse_head(&mut BytesMut::from(head), head_request, Some(&mut lines))
+                .unwrap()
+                .unwrap();
+            let lines = as_lines.passthrough.unwrap().lines;
+            let as_map = parse_head(&mut BytesMut::from(head), head_request, None)
+                .unwrap()
+                .unwrap();
+            let in_lines = String::from_utf8_lossy(&lines).contains("content-length: 5");
+            assert_eq!(in_lines, as_map.headers.contains_key("content-length"));
+            in_lines
+        };
+        assert!(!kept(
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
+            false
+        ));
+        assert!(!kept(
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
+            true
+        ));
+        assert!(kept(
+            b"HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\n\r\n",
+            false
+        ));
+        assert!(kept(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", true));
     }
 
     #[test]

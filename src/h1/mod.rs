@@ -252,6 +252,25 @@ pub(crate) fn append_last_chunk(out: &mut Vec<u8>, trailers: Option<&HeaderMap>)
     out.extend_from_slice(b"\r\n");
 }
 
+/// Removes the request fields whose names contain `_` (unless `limits.allow_underscore_headers`
+/// keeps them): CGI/WSGI backends read `X_A` and `X-A` as one name, so `X_Api_Key` could stand
+/// in for `X-Api-Key` (nginx's `underscores_in_headers off`). The HTTP/1 server drops them
+/// from a head as it parses it; this serves the fields it keeps in a map (trailers, HTTP/2
+/// requests). Allocates only when there is one to remove.
+pub fn drop_underscore_fields(headers: &mut HeaderMap) {
+    if !headers.keys().any(|name| name.as_str().contains('_')) {
+        return;
+    }
+    let names: Vec<_> = headers
+        .keys()
+        .filter(|name| name.as_str().contains('_'))
+        .cloned()
+        .collect();
+    for name in names {
+        headers.remove(name);
+    }
+}
+
 /// Applies a `Connection` value's tokens, in order, to `keep_alive`: `close` ends the
 /// connection, `keep-alive` keeps an HTTP/1.0 one. Returns whether the value names other fields.
 pub(crate) fn apply_connection(value: &[u8], http10: bool, keep_alive: &mut bool) -> bool {

@@ -51,7 +51,8 @@ use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
 use super::{
     BodyFailure, COALESCE, Chunked, Framing, Hop, MAX_HEADERS, ReadSize, Span, StallTimer,
     append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection, digits,
-    field_spans, hop_by_hop, is_chunked, parse_content_length, poll_body, write_all_vectored,
+    drop_underscore_fields, field_spans, hop_by_hop, is_chunked, parse_content_length, poll_body,
+    write_all_vectored,
 };
 
 /// Request bodies of known length up to this many bytes are read with their head.
@@ -313,7 +314,32 @@ pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
 /// body when it is read whole, the handler's answer and its head) and [`write_body`]. Their states
 /// share one place in the connection's task, so a connection whose answer streams holds the
 /// response writer's state and the connection's own (buffers, timers), not the request's.
-pub async fn serve<H: Handler, W: AsyncWrite + Unpin>(
+/// A client connection's writing side, which may also tell whether the client closed its side
+/// without anything being read: while a streamed request body holds the reading side unread
+/// (the request waits in the router queue), that is how its leaving is seen.
+pub trait ClientWrite: AsyncWrite + Unpin {
+    /// Whether the client closed its side of the connection (or reset it); `false` when that
+    /// cannot be told without reading.
+    fn hung_up(&self) -> bool {
+        false
+    }
+}
+
+/// A TCP connection: the socket's readiness carries the peer's close (`EPOLLRDHUP`) even
+/// while unread bytes come before it, as nginx reads it (`ngx_http_test_reading`).
+impl ClientWrite for tokio::net::tcp::OwnedWriteHalf {
+    fn hung_up(&self) -> bool {
+        use futures_util::FutureExt;
+        matches!(
+            self.ready(tokio::io::Interest::READABLE).now_or_never(),
+            Some(Ok(ready)) if ready.is_read_closed()
+        )
+    }
+}
+
+impl<T: AsyncRead + AsyncWrite> ClientWrite for tokio::io::WriteHalf<T> {}
+
+pub async fn serve<H: Handler, W: ClientWrite>(
     reader: ReadSide,
     writer: W,
     limits: Limits,
@@ -410,6 +436,12 @@ impl<W> Sending<W> {
     }
 }
 
+impl<W: ClientWrite> ClientWrite for Sending<W> {
+    fn hung_up(&self) -> bool {
+        self.inner.hung_up()
+    }
+}
+
 impl<W: AsyncWrite + Unpin> AsyncWrite for Sending<W> {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -473,7 +505,7 @@ struct ConnectionState {
 /// reading side when it is back (a streamed request body keeps it until its end). `None` when
 /// the connection ends without an answer (refusals are written here). Only the body leaves
 /// this future: the response's head is not moved again.
-async fn receive<H: Handler, W: AsyncWrite + Unpin>(
+async fn receive<H: Handler, W: ClientWrite>(
     mut input: Inbound,
     writer: &mut W,
     connection: &mut ConnectionState,
@@ -541,6 +573,7 @@ async fn receive<H: Handler, W: AsyncWrite + Unpin>(
                 framing,
                 slot,
                 stall: StallTimer::new(limits.body_read_timeout),
+                allow_underscore_headers: limits.allow_underscore_headers,
             };
             (RequestBody::Streaming(stream), None)
         }
@@ -550,7 +583,7 @@ async fn receive<H: Handler, W: AsyncWrite + Unpin>(
     // the larger state of the handler (one allocation a request, freed at the answer).
     let answer = {
         let mut answer = Box::pin(handler.call(request.map(|()| body), fields));
-        answer_unless_gone(answer.as_mut(), &mut held, slot.as_deref()).await
+        answer_unless_gone(answer.as_mut(), &mut held, slot.as_deref(), &*writer).await
     };
     // None: the client left, and dropping the handler's future withdrew the request.
     let answer = answer?;
@@ -578,11 +611,15 @@ async fn receive<H: Handler, W: AsyncWrite + Unpin>(
 /// Awaits `answer` while watching the client's connection: `None` if the client closed it
 /// first. The reading side is `input`, or, while a streamed request body holds it, is watched
 /// from when the body leaves it in `slot`. Bytes the client sends meanwhile (a pipelined
-/// request) are kept for later.
-async fn answer_unless_gone<F, B>(
+/// request, a stray line end after a body) are kept for later, and the watch goes on up to
+/// [`MAX_SENT_AHEAD`] of them ([`still_watched`]). While the body holds the reading side
+/// unread (the request waits in the router queue, or for its backend), the client's leaving is
+/// told by `writer` ([`ClientWrite::hung_up`]), checked every [`HANG_UP_CHECK`].
+async fn answer_unless_gone<F, B, W: ClientWrite>(
     mut answer: Pin<&mut F>,
     input: &mut Option<Inbound>,
     slot: Option<&Slot>,
+    writer: &W,
 ) -> Option<Response<B>>
 where
     F: Future<Output = Response<B>>,
@@ -592,7 +629,10 @@ where
         let watch = async {
             if input.is_none() {
                 match slot {
-                    Some(slot) => *input = Some(slot.returned().await),
+                    Some(slot) => tokio::select! {
+                        returned = slot.returned() => *input = Some(returned),
+                        () = hang_up(writer) => return true,
+                    },
                     None => std::future::pending::<()>().await,
                 }
             }
@@ -608,10 +648,37 @@ where
                 if gone {
                     return None;
                 }
-                watching = false;
+                watching = still_watched(input.as_ref());
             }
         }
     }
+}
+
+/// How often a client whose streamed body waits unread is checked for having left.
+const HANG_UP_CHECK: Duration = Duration::from_secs(1);
+
+/// Returns once `writer` tells that the client closed its side, checked every
+/// [`HANG_UP_CHECK`].
+async fn hang_up<W: ClientWrite>(writer: &W) {
+    loop {
+        tokio::time::sleep(HANG_UP_CHECK).await;
+        if writer.hung_up() {
+            return;
+        }
+    }
+}
+
+/// Bytes a client may send ahead of its answer (pipelined requests) while the router still
+/// watches its connection for its leaving: as much as a head may take. A client that sends
+/// more is watched no longer (its leaving is seen at the next write), and what it sent waits
+/// in the buffer for its turn.
+const MAX_SENT_AHEAD: usize = 64 * 1024;
+
+/// Whether a client that sent bytes ahead of its answer is still watched: with nginx, a
+/// client that pipelines a request (or ends a body with a stray line end, RFC 9112 §2.2) and
+/// then leaves still frees its backend at once.
+fn still_watched(input: Option<&Inbound>) -> bool {
+    input.is_some_and(|input| input.buffer.len() < MAX_SENT_AHEAD)
 }
 
 /// Waits until the client sends something (`false`: it is kept in the buffer) or closes the
@@ -1153,7 +1220,9 @@ fn write_body<'a, B: Answer + 'a>(
                                         return Err(io::ErrorKind::ConnectionAborted.into());
                                     }
                                     // A pipelined request came: it waits in the buffer.
-                                    input = None;
+                                    if !still_watched(input.as_deref()) {
+                                        input = None;
+                                    }
                                     continue;
                                 }
                             },
@@ -1322,6 +1391,8 @@ pub struct RequestStream {
     framing: Framing,
     slot: Arc<Slot>,
     stall: StallTimer,
+    /// Whether trailer fields whose names contain `_` are kept, as those of the head are.
+    allow_underscore_headers: bool,
 }
 
 impl RequestStream {
@@ -1365,10 +1436,15 @@ impl Body for RequestStream {
             return Poll::Pending;
         };
         match polled {
-            Ok(frame) => {
+            Ok(mut frame) => {
                 this.stall.progressed();
                 if this.framing.is_end() {
                     this.finish();
+                }
+                if !this.allow_underscore_headers {
+                    if let Some(trailers) = frame.as_mut().and_then(Frame::trailers_mut) {
+                        drop_underscore_fields(trailers);
+                    }
                 }
                 Poll::Ready(frame.map(Ok))
             }
@@ -1784,6 +1860,8 @@ mod tests {
         inner: tokio::io::WriteHalf<tokio::io::DuplexStream>,
         writes: Arc<std::sync::atomic::AtomicUsize>,
     }
+
+    impl ClientWrite for Counted {}
 
     impl AsyncWrite for Counted {
         fn poll_write(

@@ -315,13 +315,16 @@ impl Balancer {
     }
 
     /// What the strategy will see of `request`: its method, its affinity key
-    /// ([`Strategy::request_key`]) and, for a strategy that reads prompts, its prompt.
+    /// ([`Strategy::request_key`]) and, for a strategy that reads prompts or when tenants share
+    /// the queue by cost (`queue.tenant_header`), its prompt.
     pub fn request_info(&self, request: &crate::strategy::RequestView<'_>) -> RequestInfo {
         let strategy = self.strategy.load();
         RequestInfo {
             method: request.method().clone(),
             key: strategy.request_key(request),
-            prompt: if strategy.reads_prompts() {
+            prompt: if strategy.reads_prompts()
+                || !self.tuning.load().queue.tenant_header.is_empty()
+            {
                 request.prompt().cloned()
             } else {
                 None
@@ -506,6 +509,17 @@ impl Balancer {
                     return Err(Rejection::Overloaded(seconds));
                 }
             }
+            // A full queue makes room by evicting from its lowest band; a newcomer of a band
+            // lower still is the one that does not get in.
+            if queue.len() >= self.tuning.load().queue.max_size
+                && queue
+                    .lowest_band()
+                    .is_some_and(|lowest| admission.band > lowest)
+            {
+                drop(queue);
+                self.metrics.evicted.add(1, &[band]);
+                return Err(Rejection::Evicted);
+            }
             let (place, reply) =
                 self.enqueue_locked(&mut queue, info, &admission, cost, excluded, now);
             (place, reply, now + patience)
@@ -630,8 +644,17 @@ impl Balancer {
             let Some(head) = queue.get(place) else {
                 break;
             };
-            let Some(backend) = self.pick_excluding(&head.info, &backends, &head.excluded) else {
-                break;
+            let backend = match self.pick_excluding(&head.info, &backends, &head.excluded) {
+                Some(backend) => backend,
+                // A retry waiting for a backend it has not tried holds up no one: with others
+                // queued behind it, it takes a backend it tried that has room now.
+                None if !head.excluded.is_empty() && queue.len() > 1 => {
+                    match self.pick_excluding(&head.info, &backends, &[]) {
+                        Some(backend) => backend,
+                        None => break,
+                    }
+                }
+                None => break,
             };
             let Some(waiter) = queue.dispatch(place, now, aging) else {
                 break;

@@ -209,18 +209,25 @@ impl Balancer {
             }
         }
         let eligible = if panic { not_paused } else { eligible };
-        let changed = {
+        let (changed, members_changed) = {
             let current = self.eligible.load();
-            current.len() != eligible.len()
-                || current
+            let members_changed = current.len() != eligible.len()
+                || eligible
                     .iter()
-                    .zip(&eligible)
-                    .any(|(a, b)| !Arc::ptr_eq(a, b))
+                    .any(|backend| !current.iter().any(|c| Arc::ptr_eq(c, backend)));
+            let reordered = current
+                .iter()
+                .zip(&eligible)
+                .any(|(a, b)| !Arc::ptr_eq(a, b));
+            (members_changed || reordered, members_changed)
         };
-        if changed {
+        if members_changed {
             // Capacity changed: the queue's dispatch rate is measured afresh, and nothing is
-            // refused on the old one while capacity arrives.
+            // refused on the old one while capacity arrives. The same backends in another order
+            // are the same capacity.
             queue.rate.reset();
+        }
+        if changed {
             let eligible = Arc::new(eligible);
             self.eligible.store(Arc::clone(&eligible));
             self.strategy.load().on_backends_changed(&eligible);

@@ -274,6 +274,11 @@ impl BandQueue {
         self.heads.first().map(|&(_, seq, tenant)| (tenant, seq))
     }
 
+    /// The tenant and sequence number of its oldest request.
+    fn oldest_head(&self) -> Option<(u64, u64)> {
+        self.arrivals.first().map(|&(seq, tenant)| (tenant, seq))
+    }
+
     /// When its oldest request was queued.
     fn oldest(&self) -> Option<Instant> {
         let &(_, tenant) = self.arrivals.first()?;
@@ -317,6 +322,13 @@ impl BandQueue {
         let queue = self.tenants.get_mut(&tenant)?;
         let index = queue.index_of(seq)?;
         let waiter = queue.waiters.remove(index)?;
+        // A request that leaves unserved charges its tenant nothing: the next one is tagged
+        // after the tenant's last request still queued.
+        if waiter.tag == queue.last_tag {
+            if let Some(last) = queue.waiters.back() {
+                queue.last_tag = last.tag;
+            }
+        }
         if index == 0 {
             self.heads.remove(&(waiter.tag, waiter.seq, tenant));
             self.arrivals.remove(&(waiter.seq, tenant));
@@ -415,17 +427,26 @@ impl Queue {
     /// The place of the request to dispatch next at `now`: in the highest band holding
     /// requests, unless the higher bands have gone [`AGED_SHARE`] − 1 times in a row past an
     /// aged request (one of a lower band that has waited `aging`; the older band's, if both):
-    /// then in the aged one's band. Within the band, the smallest tag.
+    /// then the aged band's oldest request. Within the highest band, the smallest tag.
     pub(super) fn next(&self, now: Instant, aging: Duration) -> Option<Place> {
         let highest = Band::ALL
             .into_iter()
             .find(|band| self.bands[band.index()].len > 0)?;
-        let band = match self.aged(now, aging) {
-            Some(aged) if self.passed_over + 1 >= AGED_SHARE => aged,
-            _ => highest,
+        let (band, (tenant, seq)) = match self.aged(now, aging) {
+            Some(aged) if self.passed_over + 1 >= AGED_SHARE => {
+                (aged, self.bands[aged.index()].oldest_head()?)
+            }
+            _ => (highest, self.bands[highest.index()].next_head()?),
         };
-        let (tenant, seq) = self.bands[band.index()].next_head()?;
         Some(Place { band, tenant, seq })
+    }
+
+    /// The lowest band holding requests: the one a full queue evicts from.
+    pub(super) fn lowest_band(&self) -> Option<Band> {
+        Band::ALL
+            .into_iter()
+            .rev()
+            .find(|band| self.bands[band.index()].len > 0)
     }
 
     /// The lower band whose oldest request has waited `aging` at `now` (the older one's, if
@@ -486,15 +507,16 @@ impl Queue {
     /// Takes out the request to evict when the queue is full: in the lowest band holding
     /// requests, the oldest of the tenant holding the most.
     pub(super) fn evict(&mut self) -> Option<Waiter> {
-        let band = Band::ALL
-            .into_iter()
-            .rev()
-            .find(|band| self.bands[band.index()].len > 0)?;
+        let band = self.lowest_band()?;
         let queue = &self.bands[band.index()];
+        // Of tenants holding as many, the one whose oldest request is the oldest.
         let tenant = queue
             .tenants
             .iter()
-            .max_by_key(|(_, t)| t.waiters.len())
+            .max_by_key(|(_, t)| {
+                let oldest = t.waiters.front().map_or(u64::MAX, |waiter| waiter.seq);
+                (t.waiters.len(), std::cmp::Reverse(oldest))
+            })
             .map(|(key, _)| *key)?;
         let seq = queue.tenants.get(&tenant)?.waiters.front()?.seq;
         self.remove(Place { band, tenant, seq })

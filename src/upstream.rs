@@ -12,7 +12,7 @@ use futures_util::future::{self, FutureExt as _};
 use http::Response;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
 use serde::{Deserialize, Serialize};
@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::{Backend, BackendAddr, ErrorKind};
 use crate::body::{BackendBody, BodyFailure, UpstreamBody};
 use crate::forwarding::RequestHead;
+use crate::h1;
 use crate::pool::{self, Failure};
 
 /// The `[upstream]` section: how the router talks to backends.
@@ -58,7 +59,7 @@ impl Default for UpstreamConfig {
 /// (loading the system's CA certificates costs startup time and memory that plain-HTTP
 /// deployments need not pay).
 pub struct UpstreamClient {
-    https: OnceLock<Client<HttpsConnector<HttpConnector>, UpstreamBody>>,
+    https: OnceLock<Client<Bounded<HttpsConnector<HttpConnector>>, UpstreamBody>>,
     config: UpstreamConfig,
     extra_ca_certs: Vec<CertificateDer<'static>>,
 }
@@ -121,13 +122,235 @@ impl UpstreamClient {
                 .https_or_http()
                 .enable_http1()
                 .wrap_connector(http_connector(self.config.connect_timeout));
-            pooled(connector)
+            pooled(Bounded {
+                inner: connector,
+                timeout: self.config.connect_timeout,
+                write_stall: self.config.idle_timeout,
+            })
         });
-        let request = head.tls_request(addr, body, last);
-        match https.request(request).await {
-            Ok(response) => Ok(response.map(BackendBody::Right)),
-            Err(error) => Err(classify(&error)),
+        let mut request = head.tls_request(addr, body, last);
+        let head_request = request.method() == http::Method::HEAD;
+        let connection = capture_connection(&mut request);
+        let mut response = match https.request(request).await {
+            Ok(response) => response,
+            Err(error) => return Err(classify(&error)),
+        };
+        // hyper's pool reuses a connection once its answer has been read; the framing the
+        // router's own client refuses or closes on ([`tls_framing`]) must end it here too.
+        let poison = || {
+            if let Some(connected) = connection.connection_metadata().as_ref() {
+                connected.poison();
+            }
+        };
+        match tls_framing(&response, head_request) {
+            TlsFraming::Clean => {}
+            TlsFraming::CloseAfter => poison(),
+            TlsFraming::Refused => {
+                poison();
+                return Err(Failure::Backend(ErrorKind::Io));
+            }
         }
+        if response.status() == http::StatusCode::NO_CONTENT {
+            response.headers_mut().remove(http::header::CONTENT_LENGTH);
+        }
+        Ok(response.map(BackendBody::Right))
+    }
+}
+
+/// What the framing of an `https://` backend's answer calls for.
+#[derive(Debug, PartialEq, Eq)]
+enum TlsFraming {
+    Clean,
+    /// Relayed, but the connection is not reused: a bodiless answer (HEAD, 204, 304) that
+    /// announces a body, whose bytes, if the backend sends them, would be read as the next
+    /// answer.
+    CloseAfter,
+    /// Refused (502) and the connection closed, as the router's own client refuses it: an
+    /// unasked-for `101`, a `Content-Length` twice, as a list or not digits, both
+    /// `Content-Length` and `Transfer-Encoding`, or a `Transfer-Encoding` other than one
+    /// `chunked` (hyper would read such a body one way, the client perhaps another).
+    Refused,
+}
+
+fn tls_framing<B>(response: &Response<B>, head_request: bool) -> TlsFraming {
+    let headers = response.headers();
+    let mut lengths = headers.get_all(http::header::CONTENT_LENGTH).iter();
+    let length = lengths.next();
+    let mut codings = headers.get_all(http::header::TRANSFER_ENCODING).iter();
+    let coding = codings.next();
+    let refused = response.status() == http::StatusCode::SWITCHING_PROTOCOLS
+        || lengths.next().is_some()
+        || codings.next().is_some()
+        || (length.is_some() && coding.is_some())
+        || coding.is_some_and(|coding| !h1::is_chunked(coding.as_bytes()));
+    let length = match length.map(|length| h1::parse_content_length(length.as_bytes())) {
+        Some(Err(_)) => return TlsFraming::Refused,
+        Some(Ok(length)) => length,
+        None => 0,
+    };
+    if refused {
+        return TlsFraming::Refused;
+    }
+    let status = response.status();
+    let bodiless = head_request
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    if bodiless && (coding.is_some() || length > 0) {
+        TlsFraming::CloseAfter
+    } else {
+        TlsFraming::Clean
+    }
+}
+
+/// A connector whose whole connection, TCP and TLS handshake together, is bounded by the
+/// connect timeout (the TCP connector's own bounds the TCP part only): a backend that accepts
+/// and never answers the handshake fails `connect_timeout`, retried like any connect failure.
+/// Its connections fail a write that waits `write_stall` (`upstream.idle_timeout`) without the
+/// backend taking a byte, as the `http://` pool's do: a backend that stops reading a streamed
+/// upload does not hold the request and its slot.
+#[derive(Clone)]
+struct Bounded<C> {
+    inner: C,
+    timeout: Duration,
+    write_stall: Option<Duration>,
+}
+
+/// A connection whose writes fail once one has waited `limit` with nothing taken.
+struct Stalling<S> {
+    inner: S,
+    limit: Option<Duration>,
+    /// Set when a write first waits; cleared when one makes progress.
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> Stalling<S> {
+    /// `written` as it is, unless the writes have waited `limit`: then an error.
+    fn bounded<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        written: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::task::Poll;
+        let Some(limit) = self.limit else {
+            return written;
+        };
+        if written.is_ready() {
+            self.deadline = None;
+            return written;
+        }
+        let deadline = self
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the backend took nothing of the request for idle_timeout",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl<S: hyper::rt::Read + Unpin> hyper::rt::Read for Stalling<S> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: hyper::rt::Write + Unpin> hyper::rt::Write for Stalling<S> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let written = std::pin::Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.bounded(cx, written)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let flushed = std::pin::Pin::new(&mut this.inner).poll_flush(cx);
+        this.bounded(cx, flushed)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let written = std::pin::Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.bounded(cx, written)
+    }
+}
+
+impl<S: hyper_util::client::legacy::connect::Connection>
+    hyper_util::client::legacy::connect::Connection for Stalling<S>
+{
+    fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
+        self.inner.connected()
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower_service::Service<http::Uri> for Bounded<C>
+where
+    C: tower_service::Service<http::Uri>,
+    C::Error: Into<BoxError>,
+    C::Future: Send + 'static,
+{
+    type Response = Stalling<C::Response>;
+    type Error = BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn Future<Output = Result<Stalling<C::Response>, BoxError>> + Send + 'static>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let (timeout, limit) = (self.timeout, self.write_stall);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(connected) => connected
+                    .map(|inner| Stalling {
+                        inner,
+                        limit,
+                        deadline: None,
+                    })
+                    .map_err(Into::into),
+                Err(_) => Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "connecting (TLS handshake included) timed out",
+                )
+                .into()),
+            }
+        })
     }
 }
 
@@ -146,6 +369,9 @@ where
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(pool::IDLE_TIMEOUT)
+        // The router's own client's limits on a response head (hyper's own are larger).
+        .http1_max_buf_size(h1::MAX_HEAD_BYTES)
+        .http1_max_headers(h1::MAX_HEADERS)
         .build(connector)
 }
 

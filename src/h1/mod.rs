@@ -399,7 +399,7 @@ pub(crate) const MAX_BODY_LENGTH: u64 = i64::MAX as u64;
 
 /// Whether a `Transfer-Encoding` value is exactly `chunked` (the only coding the router reads;
 /// nginx answers any other with 501 to a client and 502 from a backend).
-pub(crate) fn is_chunked(value: &[u8]) -> bool {
+pub fn is_chunked(value: &[u8]) -> bool {
     value.trim_ascii().eq_ignore_ascii_case(b"chunked")
 }
 

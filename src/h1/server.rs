@@ -1253,6 +1253,19 @@ fn write_body<'a, B: Answer + 'a>(
                         continue;
                     }
                     sent += data.len() as u64;
+                    if let Outgoing::Length(length) = framing {
+                        if sent > length {
+                            // A body longer than the length its head announced: what fits goes
+                            // out and the connection ends, so that no byte past the length can
+                            // be read by the client as another answer.
+                            let over = usize::try_from(sent - length).unwrap_or(usize::MAX);
+                            out.extend_from_slice(&data[..data.len().saturating_sub(over)]);
+                            writer.write_all(out).await?;
+                            out.clear();
+                            buffers::give_write(out);
+                            return Ok(false);
+                        }
+                    }
                     if data.len() > COALESCE {
                         // Written from where it is, behind what waits in `out` (the head, a chunk
                         // size line), with the chunk's end, and the last chunk when it is the last.
@@ -1801,6 +1814,51 @@ mod tests {
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(FramesBody(self.0.iter().cloned().collect()))
+        }
+    }
+
+    /// Answers with a `Content-Length` of `.0` and the frames `.1`, whatever their length.
+    struct Declared(u64, Vec<Bytes>);
+
+    impl Handler for Declared {
+        type Body = FramesBody;
+
+        async fn call(
+            &self,
+            _request: Request<RequestBody>,
+            _fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            let mut response = Response::new(FramesBody(self.1.iter().cloned().collect()));
+            response
+                .headers_mut()
+                .insert(http::header::CONTENT_LENGTH, self.0.into());
+            response
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_longer_than_its_length_is_cut_at_the_length_and_the_connection_closed() {
+        let poison = Bytes::from_static(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nPOISON");
+        for frames in [
+            vec![Bytes::from_static(b"hello"), poison.clone()],
+            vec![[&b"hello"[..], &poison].concat().into()],
+            vec![[&b"hello"[..], &vec![b'x'; 4 * COALESCE]].concat().into()],
+        ] {
+            let (_drain, draining) = watch::channel(false);
+            let (mut client, served) = scripted(test_limits(), draining, Declared(5, frames));
+            let script = async {
+                // A second request pipelined: it must get its own answer or none.
+                client
+                    .write_all(
+                        b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n",
+                    )
+                    .await
+                    .unwrap();
+                read_all(&mut client).await
+            };
+            let ((), answer) = tokio::join!(served, script);
+            assert!(answer.ends_with("\r\n\r\nhello"), "{answer}");
+            assert_eq!(answer.matches("HTTP/1.1").count(), 1, "{answer}");
         }
     }
 

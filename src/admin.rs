@@ -202,6 +202,17 @@ pub fn parse_backends(body: &[u8]) -> Result<Vec<BackendAddr>, String> {
     let Value::Object(object) = value else {
         return Err("body must be a JSON object with a `backends` array".to_owned());
     };
+    // A map keeps the last of two `backends` fields: which one the sender meant is unknowable.
+    #[derive(serde::Deserialize)]
+    struct Fields {
+        #[allow(dead_code)]
+        backends: Option<serde::de::IgnoredAny>,
+    }
+    if let Err(error) = serde_json::from_slice::<Fields>(body) {
+        if error.to_string().starts_with("duplicate field") {
+            return Err("duplicate field `backends`".to_owned());
+        }
+    }
     let entries = match object.get("backends") {
         None => return Err("missing field `backends`".to_owned()),
         Some(Value::Array(entries)) => entries,

@@ -717,18 +717,43 @@ pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
     })
 }
 
-fn env_provider() -> Env {
+/// Keys whose value is text: their environment variables are taken as written (a token `007`
+/// stays `007`, a host `[::1]` is not an array), not read as TOML-like values as the others are.
+const TEXT_KEYS: &[&str] = &[
+    "host",
+    "strategy.name",
+    "queue.deadline_header",
+    "queue.priority_header",
+    "queue.tenant_header",
+    "availability.health_check_path",
+    "upstream.tls_ca_file",
+    "engine_metrics.path",
+    "admin.token",
+];
+
+fn env_provider() -> impl figment::Provider {
     let names: Vec<String> = ENV_VARS
         .iter()
+        .filter(|v| !TEXT_KEYS.contains(&v.key))
         .map(|v| v.name.to_ascii_lowercase())
         .collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    Env::raw().only(&names).map(|name| {
+    let parsed = Env::raw().only(&names).map(|name| {
         ENV_VARS
             .iter()
             .find(|v| v.name.eq_ignore_ascii_case(name.as_str()))
             .map_or_else(|| name.into(), |v| v.key.into())
-    })
+    });
+    let mut figment = Figment::from(parsed);
+    for var in ENV_VARS.iter().filter(|v| TEXT_KEYS.contains(&v.key)) {
+        if let Ok(value) = std::env::var(var.name) {
+            figment = figment.merge(
+                figment::providers::Serialized::default(var.key, value)
+                    .profile(figment::Profile::Default),
+            );
+        }
+    }
+    figment
 }
 
 /// Where a key's value came from: its environment variable if set, else the file key.
@@ -782,6 +807,14 @@ fn is_token_char(c: char) -> bool {
 /// fail at start, after the configuration was accepted).
 const MAX_WORKER_THREADS: usize = 1024;
 
+/// Most client connections `max_connections` may ask for: past what any open-file limit
+/// allows, and within what the connection semaphore can count (a larger count would be
+/// accepted and then fail at start).
+const MAX_CONNECTIONS: usize = 1 << 20;
+
+/// Most requests `queue.max_size` may hold.
+const MAX_QUEUE_SIZE: usize = 1 << 24;
+
 fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
     let positive_counts = [
         ("queue.max_size", config.queue.max_size),
@@ -808,6 +841,26 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
                 ),
             ));
         }
+    }
+    if let Count::Fixed(connections) = config.max_connections {
+        if connections > MAX_CONNECTIONS {
+            return Err(ConfigError::new(
+                locate("max_connections"),
+                format!(
+                    "expected at most {MAX_CONNECTIONS} connections or \"auto\", found {connections}"
+                ),
+            ));
+        }
+    }
+    // Twice the queue's size is counted in places: a size past this would overflow them.
+    if config.queue.max_size > MAX_QUEUE_SIZE {
+        return Err(ConfigError::new(
+            locate("queue.max_size"),
+            format!(
+                "expected at most {MAX_QUEUE_SIZE} requests, found {}",
+                config.queue.max_size
+            ),
+        ));
     }
     let percents = [
         ("retry.budget.percent", config.retry.budget.percent),

@@ -139,7 +139,9 @@ impl Reloader {
             .into_iter()
             .filter(|key| value_at(&old, key) != value_at(&new, key))
             .collect();
-        let strategy_changed = running.config.strategy != settings.config.strategy;
+        // The strategy is built with the `[latency]` settings too (the reference rules' threshold).
+        let strategy_changed = running.config.strategy != settings.config.strategy
+            || running.config.latency != settings.config.latency;
         let strategy = strategy_changed.then(|| Arc::clone(&settings.strategy));
         self.shared
             .balancer
@@ -157,6 +159,27 @@ impl Reloader {
             .admin
             .store(Arc::new(settings.config.admin.clone()));
         self.shared.limits.store(Arc::new(settings.config.limits));
+        // What runs is what is kept: keys read only at start keep their running values, so a
+        // later reload compares against them (and still names them) and the log shows them.
+        let mut settings = settings;
+        let (kept, config) = (&running.config, &mut settings.config);
+        config.host.clone_from(&kept.host);
+        config.port = kept.port;
+        config.backends.clone_from(&kept.backends);
+        config.dns_refresh = kept.dns_refresh;
+        config.max_connections = kept.max_connections;
+        config.worker_threads = kept.worker_threads;
+        config.log_format = kept.log_format;
+        config.state_log_interval = kept.state_log_interval;
+        config.shutdown = kept.shutdown;
+        config.retry.budget = kept.retry.budget;
+        config.engine_metrics.clone_from(&kept.engine_metrics);
+        debug_assert!({
+            let stored = serde_json::to_value(&*config).unwrap_or_default();
+            RESTART_KEYS
+                .iter()
+                .all(|key| value_at(&old, key) == value_at(&stored, key))
+        });
         *running = settings;
         needs_restart
     }

@@ -51,7 +51,7 @@ fn certs_for(names: &[&str]) -> Certs {
     .with_single_cert(vec![cert], key)
     .unwrap();
     let ca_file = std::env::temp_dir().join(format!(
-        "audit-tls-ca-{}-{}.pem",
+        "https-backends-ca-{}-{}.pem",
         std::process::id(),
         FILES.fetch_add(1, Ordering::SeqCst)
     ));

@@ -59,7 +59,7 @@ pub enum AddrError {
 /// bracketed IPv6 address (written in its shortest form) or a DNS name (labels of letters,
 /// digits, `-` and `_`, an optional final dot; a name of digits and dots only is an IPv4
 /// address).
-fn canonical_host(host: &str) -> Option<String> {
+pub(crate) fn canonical_host(host: &str) -> Option<String> {
     if let Some(inner) = host.strip_prefix('[') {
         let ip: Ipv6Addr = inner.strip_suffix(']')?.parse().ok()?;
         return Some(format!("[{ip}]"));

@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::BackendAddr;
+use crate::backend::{BackendAddr, canonical_host};
 use crate::balancer::Balancer;
 
 /// One configured backend entry.
@@ -61,16 +61,14 @@ impl Entry {
                 "{trimmed:?} has no port (expected dns://NAME:PORT)"
             ));
         };
+        let digits = port.bytes().all(|b| b.is_ascii_digit());
         let port = match port.parse::<u16>() {
-            Ok(port) if port > 0 => port,
+            Ok(port) if port > 0 && digits => port,
             _ => return Err(format!("{trimmed:?} has an invalid port")),
         };
-        let valid_name = !name.is_empty()
-            && name.len() <= 253
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_');
-        if !valid_name {
+        // Held to the rules of a set-backends host: labels of 1 to 63 letters, digits, `-` or
+        // `_`, 253 bytes in all.
+        if name.is_empty() || name.starts_with('[') || canonical_host(name).is_none() {
             return Err(format!("{trimmed:?} does not name a DNS host"));
         }
         Ok(Entry::Dns(DnsName {

@@ -365,3 +365,17 @@ fn numeric_and_float_errors_exit_2_naming_the_variable() {
         assert_config_error(&[(var, value)], var);
     }
 }
+
+/// A `dns://` entry is held to the rules of the same host in set-backends: an empty label, a
+/// 64-byte label or a `+` before the port exit 2 rather than start a router with a name that
+/// can never resolve.
+#[test]
+fn dns_backend_entries_are_held_to_the_host_rules() {
+    let long_label = format!("dns://{}.example:80", "a".repeat(64));
+    for entry in ["dns://a..b:80", "dns://a:+80", long_label.as_str()] {
+        assert_config_error(
+            &[("CUSTOM_ROUTER_BACKENDS", entry)],
+            "CUSTOM_ROUTER_BACKENDS",
+        );
+    }
+}

@@ -776,7 +776,16 @@ fn describe_figment_error(error: &figment::Error, file: Option<&Path>) -> Config
         .metadata
         .as_ref()
         .is_some_and(|m| m.name.contains("environment"));
-    let location = match ENV_VARS.iter().find(|v| v.key == key) {
+    // A value given as a table where a word was expected (`{a=1}` for an enum) fails below its
+    // key (`log_format.a`): the variable is the one whose key the path starts with.
+    let env_var = ENV_VARS
+        .iter()
+        .filter(|v| {
+            key.strip_prefix(v.key)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        })
+        .max_by_key(|v| v.key.len());
+    let location = match env_var {
         Some(var) if from_env => var.name.to_owned(),
         _ if key.is_empty() => match file {
             Some(path) => path.display().to_string(),

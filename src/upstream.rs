@@ -369,6 +369,8 @@ where
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(pool::IDLE_TIMEOUT)
+        // As many idle connections per backend as the router's own pool keeps.
+        .pool_max_idle_per_host(pool::MAX_IDLE_PER_BACKEND)
         // The router's own client's limits on a response head (hyper's own are larger).
         .http1_max_buf_size(h1::MAX_HEAD_BYTES)
         .http1_max_headers(h1::MAX_HEADERS)

@@ -361,6 +361,10 @@ fn numeric_and_float_errors_exit_2_naming_the_variable() {
         ("CUSTOM_ROUTER_ADMIN_TOKEN", ""),
         ("CUSTOM_ROUTER_STRATEGY", "fastest"),
         ("CUSTOM_ROUTER_BACKEND_ALLOW_CIDRS", "10.0.0.0/33"),
+        // A table where a word or a number is expected names the variable, not the table's key.
+        ("CUSTOM_ROUTER_LOG_FORMAT", "{a=1}"),
+        ("CUSTOM_ROUTER_PORT", "{a=1}"),
+        ("CUSTOM_ROUTER_WORKER_THREADS", "{a=1}"),
     ] {
         assert_config_error(&[(var, value)], var);
     }

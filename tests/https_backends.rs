@@ -1397,3 +1397,59 @@ async fn a_streamed_chunked_upload_reaches_the_tls_backend_whole() {
         got.head
     );
 }
+
+/// Idle TLS connections per backend are capped as the router's own pool caps them
+/// (`MAX_IDLE_PER_BACKEND`): after a burst of more concurrent requests than that, the ones past
+/// the cap are closed when their exchange ends, not kept open for the idle timeout.
+#[tokio::test]
+async fn idle_tls_connections_per_backend_are_capped() {
+    const BURST: usize = custom_router::pool::MAX_IDLE_PER_BACKEND + 6;
+    let c = certs();
+    let open = Arc::new(AtomicUsize::new(0));
+    let (release, released) = tokio::sync::watch::channel(false);
+    let live = Arc::clone(&open);
+    let backend = tls_backend(&c, move |mut conn| {
+        let live = Arc::clone(&live);
+        let mut released = released.clone();
+        async move {
+            live.fetch_add(1, Ordering::SeqCst);
+            while let Some(req) = conn.read_request().await {
+                let _ = released.wait_for(|go| *go).await;
+                conn.write(&ok_with(req.target())).await;
+            }
+            live.fetch_sub(1, Ordering::SeqCst);
+        }
+    })
+    .await;
+    let router = router_for(config_for(&c), &[backend.url()]).await;
+    let url = router.url("/burst");
+    let burst: Vec<_> = (0..BURST)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { get(&url).await })
+        })
+        .collect();
+    let all_open = eventually(Duration::from_secs(10), async || {
+        open.load(Ordering::SeqCst) == BURST
+    })
+    .await;
+    assert!(
+        all_open,
+        "{} of {BURST} connections opened",
+        open.load(Ordering::SeqCst)
+    );
+    release.send(true).unwrap();
+    for answer in burst {
+        assert_eq!(answer.await.unwrap().0, StatusCode::OK);
+    }
+    let capped = eventually(Duration::from_secs(5), async || {
+        open.load(Ordering::SeqCst) == custom_router::pool::MAX_IDLE_PER_BACKEND
+    })
+    .await;
+    assert!(
+        capped,
+        "{} idle connections kept, cap {}",
+        open.load(Ordering::SeqCst),
+        custom_router::pool::MAX_IDLE_PER_BACKEND
+    );
+}

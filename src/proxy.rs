@@ -310,6 +310,8 @@ pub async fn proxy(
     policy.retry_budget.deposit();
     // Read the clock only for what needs it.
     let arrived = policy.decision_headers.then(tokio::time::Instant::now);
+    // A deadline header states the client's patience from its arrival: a retry has what is left.
+    let deadline_from = admission.deadline.map(|_| tokio::time::Instant::now());
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last_failure: Option<(ErrorKind, Arc<Backend>)> = None;
     let mut retry_reason: Option<RetryReason> = None;
@@ -321,6 +323,10 @@ pub async fn proxy(
             balancer.admit_as(info.clone(), admission).await.map(Some)
         } else {
             let requeue = last_failure.is_none();
+            let mut admission = admission;
+            if let (Some(deadline), Some(from)) = (admission.deadline, deadline_from) {
+                admission.deadline = Some(deadline.saturating_sub(from.elapsed()));
+            }
             balancer
                 .admit_retry(info.clone(), admission, &tried, requeue)
                 .await

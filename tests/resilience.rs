@@ -817,3 +817,34 @@ async fn a_request_with_both_transfer_encoding_and_content_length_is_refused() {
     assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
     assert_eq!(backend.hits(), 1);
 }
+
+/// A request's deadline header counts from its arrival: after a busy answer that came late, the
+/// retry waits in the queue only for what is left of it (answered 503 at the deadline, not a
+/// whole deadline later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_waits_only_for_what_is_left_of_the_deadline_header() {
+    let busy = spawn_backend(|_request| async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let mut response = respond(StatusCode::TOO_MANY_REQUESTS, "busy");
+        response
+            .headers_mut()
+            .insert("retry-after", "10".parse().unwrap());
+        response
+    })
+    .await;
+    let router = start_router(qll()).await;
+    set_backends(router.addr, &[busy.host_port()]).await;
+    let started = std::time::Instant::now();
+    let request = Request::get(router.url("/generate"))
+        .header("x-request-deadline-ms", "1000")
+        .body(full(""))
+        .unwrap();
+    let (status, _, body) = send(request).await;
+    let waited = started.elapsed();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body:?}");
+    assert_eq!(busy.hits(), 1);
+    assert!(
+        waited >= Duration::from_millis(950) && waited < Duration::from_millis(1500),
+        "answered after {waited:?}, the deadline was 1 s from arrival"
+    );
+}

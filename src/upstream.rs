@@ -188,7 +188,7 @@ fn tls_framing<B>(response: &Response<B>, head_request: bool) -> TlsFraming {
         Some(Ok(length)) => length,
         None => 0,
     };
-    if refused {
+    if refused || head_bytes(headers) > h1::MAX_HEAD_BYTES {
         return TlsFraming::Refused;
     }
     let status = response.status();
@@ -200,6 +200,18 @@ fn tls_framing<B>(response: &Response<B>, head_request: bool) -> TlsFraming {
     } else {
         TlsFraming::Clean
     }
+}
+
+/// The size of a response head with `headers` as it was read (each field `name: value\r\n`,
+/// the status line and the blank line). hyper enforces its buffer limit only between reads, so a
+/// head that arrived whole in one read can pass it: this holds the limit whatever the reads.
+fn head_bytes(headers: &http::HeaderMap) -> usize {
+    const STATUS_LINE_AND_END: usize = "HTTP/1.1 200 \r\n\r\n".len();
+    headers
+        .iter()
+        .fold(STATUS_LINE_AND_END, |total, (name, value)| {
+            total + name.as_str().len() + value.len() + 4
+        })
 }
 
 /// A connector whose whole connection, TCP and TLS handshake together, is bounded by the
@@ -437,4 +449,18 @@ fn connect_kind(error: &hyper_util::client::legacy::Error) -> ErrorKind {
         source = cause.source();
     }
     ErrorKind::Connect
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_bytes_counts_the_head_as_sent() {
+        let sent = "HTTP/1.1 200 \r\ncontent-length: 2\r\nx-a: bcd\r\n\r\n";
+        let mut headers = http::HeaderMap::new();
+        headers.insert("content-length", http::HeaderValue::from_static("2"));
+        headers.insert("x-a", http::HeaderValue::from_static("bcd"));
+        assert_eq!(head_bytes(&headers), sent.len());
+    }
 }

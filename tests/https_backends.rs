@@ -15,10 +15,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use custom_router::config::Config;
 use http::{Request, StatusCode};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
 const POISON: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nPOISON";
@@ -27,43 +25,8 @@ const POISON: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nPOISON";
 // Certificates and the scripted TLS backend.
 // ---------------------------------------------------------------------------------------------
 
-struct Certs {
-    acceptor: TlsAcceptor,
-    ca_file: std::path::PathBuf,
-}
-
-static FILES: AtomicUsize = AtomicUsize::new(0);
-
-fn certs_for(names: &[&str]) -> Certs {
-    let certified =
-        rcgen::generate_simple_self_signed(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
-            .unwrap();
-    let cert = CertificateDer::from(certified.cert.der().to_vec());
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
-        certified.signing_key.serialize_der(),
-    ));
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(vec![cert], key)
-    .unwrap();
-    let ca_file = std::env::temp_dir().join(format!(
-        "https-backends-ca-{}-{}.pem",
-        std::process::id(),
-        FILES.fetch_add(1, Ordering::SeqCst)
-    ));
-    std::fs::write(&ca_file, certified.cert.pem()).unwrap();
-    Certs {
-        acceptor: TlsAcceptor::from(Arc::new(config)),
-        ca_file,
-    }
-}
-
-fn certs() -> Certs {
-    certs_for(&["127.0.0.1", "localhost"])
+fn certs() -> TestCerts {
+    tls_certs(&["127.0.0.1", "localhost"])
 }
 
 /// A request as the backend read it.
@@ -187,7 +150,7 @@ impl Drop for TlsBackend {
     }
 }
 
-async fn tls_backend<F, Fut>(certs: &Certs, handler: F) -> TlsBackend
+async fn tls_backend<F, Fut>(certs: &TestCerts, handler: F) -> TlsBackend
 where
     F: Fn(Conn) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send + 'static,
@@ -276,7 +239,7 @@ fn ok_with(body: &str) -> Vec<u8> {
 
 /// A backend that answers every request (body read) with its target as the body, except that
 /// `/x` gets `pieces` (each after its pause in ms).
-async fn scripted(certs: &Certs, pieces: Vec<(u64, Vec<u8>)>, close_after: bool) -> TlsBackend {
+async fn scripted(certs: &TestCerts, pieces: Vec<(u64, Vec<u8>)>, close_after: bool) -> TlsBackend {
     tls_backend(certs, move |mut conn| {
         let pieces = pieces.clone();
         async move {
@@ -307,7 +270,7 @@ async fn scripted(certs: &Certs, pieces: Vec<(u64, Vec<u8>)>, close_after: bool)
     .await
 }
 
-fn config_for(certs: &Certs) -> Config {
+fn config_for(certs: &TestCerts) -> Config {
     let mut config = round_robin();
     config.upstream.tls_ca_file = Some(certs.ca_file.clone());
     config.latency.threshold = Duration::from_millis(50);
@@ -1176,13 +1139,13 @@ async fn a_tls_certificate_failure_is_a_connect_failure_retried_for_a_post() {
 /// A trusted certificate whose names do not include the address's host is refused.
 #[tokio::test]
 async fn a_certificate_for_another_name_is_refused() {
-    let c = certs_for(&["example.test"]);
+    let c = tls_certs(&["example.test"]);
     let backend = scripted(&c, vec![], false).await;
     let router = router_for(config_for(&c), &[backend.url()]).await;
     let (status, body) = get(&router.url("/v1/models")).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
     // A cert for 127.0.0.1 only, reached as localhost: refused too.
-    let c = certs_for(&["127.0.0.1"]);
+    let c = tls_certs(&["127.0.0.1"]);
     let backend = scripted(&c, vec![], false).await;
     let router = router_for(
         config_for(&c),

@@ -3,7 +3,6 @@
 mod common;
 
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -11,30 +10,16 @@ use http::StatusCode;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 
-/// A TLS backend on 127.0.0.1 with a fresh self-signed certificate; returns its address and the
-/// certificate PEM.
-async fn tls_backend() -> (std::net::SocketAddr, String, tokio::task::JoinHandle<()>) {
-    let certified =
-        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
-            .unwrap();
-    let cert_pem = certified.cert.pem();
-    let cert = CertificateDer::from(certified.cert.der().to_vec());
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
-        certified.signing_key.serialize_der(),
-    ));
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(vec![cert], key)
-    .unwrap();
-    let acceptor = TlsAcceptor::from(Arc::new(config));
+/// A TLS backend on 127.0.0.1 with a fresh self-signed certificate; returns its address and a
+/// file holding the certificate.
+async fn tls_backend() -> (
+    std::net::SocketAddr,
+    std::path::PathBuf,
+    tokio::task::JoinHandle<()>,
+) {
+    let TestCerts { acceptor, ca_file } = tls_certs(&["127.0.0.1", "localhost"]);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let task = tokio::spawn(async move {
@@ -56,14 +41,12 @@ async fn tls_backend() -> (std::net::SocketAddr, String, tokio::task::JoinHandle
             });
         }
     });
-    (addr, cert_pem, task)
+    (addr, ca_file, task)
 }
 
 #[tokio::test]
 async fn https_backends_are_reached_over_tls_with_a_configured_ca() {
-    let (addr, cert_pem, _task) = tls_backend().await;
-    let ca_file = std::env::temp_dir().join(format!("custom-router-ca-{}.pem", std::process::id()));
-    std::fs::write(&ca_file, cert_pem).unwrap();
+    let (addr, ca_file, _task) = tls_backend().await;
     let mut config = round_robin();
     config.upstream.tls_ca_file = Some(ca_file);
     let router = start_router(config).await;
@@ -74,7 +57,7 @@ async fn https_backends_are_reached_over_tls_with_a_configured_ca() {
 
 #[tokio::test]
 async fn an_untrusted_https_backend_answers_502() {
-    let (addr, _cert_pem, _task) = tls_backend().await;
+    let (addr, _ca_file, _task) = tls_backend().await;
     let mut config = round_robin();
     config.latency.threshold = Duration::from_millis(50);
     let router = start_router(config).await;

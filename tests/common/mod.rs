@@ -606,3 +606,41 @@ pub async fn fill(stream: &mut tokio::net::TcpStream, buffer: &mut Vec<u8>) -> O
         }
     }
 }
+
+/// A fresh self-signed certificate for `names`: a TLS acceptor serving it, and a PEM file of it
+/// to name in `upstream.tls_ca_file`.
+pub struct TestCerts {
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    pub ca_file: std::path::PathBuf,
+}
+
+static CA_FILES: AtomicUsize = AtomicUsize::new(0);
+
+pub fn tls_certs(names: &[&str]) -> TestCerts {
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+    let certified =
+        rcgen::generate_simple_self_signed(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    let cert = CertificateDer::from(certified.cert.der().to_vec());
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
+        certified.signing_key.serialize_der(),
+    ));
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![cert], key)
+    .unwrap();
+    let ca_file = std::env::temp_dir().join(format!(
+        "custom-router-test-ca-{}-{}.pem",
+        std::process::id(),
+        CA_FILES.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::write(&ca_file, certified.cert.pem()).unwrap();
+    TestCerts {
+        acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        ca_file,
+    }
+}

@@ -6,12 +6,11 @@ mod paused;
 use std::sync::Arc;
 use std::time::Duration;
 
-use custom_router::backend::{Backend, ErrorKind};
-use custom_router::balancer::{Balancer, Finish, Lease};
+use custom_router::backend::ErrorKind;
+use custom_router::balancer::{Balancer, Finish};
 use custom_router::config::{Config, Settings};
-use custom_router::strategies::RequestInfo;
 use http::StatusCode;
-use paused::settle;
+use paused::{admit_now, settle, with_backends};
 use tokio::time::advance;
 
 fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
@@ -21,23 +20,11 @@ fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
     Settings::from_config(config).unwrap().balancer().unwrap()
 }
 
-fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {
-    let addrs = addrs.iter().map(|a| a.parse().unwrap()).collect();
-    balancer.set_backends(addrs).to_vec()
-}
-
-async fn admit(balancer: &Arc<Balancer>) -> Lease {
-    tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default()))
-        .await
-        .expect("admitted at once")
-        .expect("a lease")
-}
-
 /// Where the next `n` admissions go, by address (each lease released at once).
 async fn spread(balancer: &Arc<Balancer>, n: usize) -> Vec<String> {
     let mut addrs = Vec::new();
     for _ in 0..n {
-        let lease = admit(balancer).await;
+        let lease = admit_now(balancer).await;
         addrs.push(lease.backend().addr().to_string());
     }
     addrs
@@ -46,7 +33,7 @@ async fn spread(balancer: &Arc<Balancer>, n: usize) -> Vec<String> {
 /// Fails one request on `target` (admitting until it is picked).
 async fn fail_on(balancer: &Arc<Balancer>, target: &str, finish: Finish) {
     loop {
-        let lease = admit(balancer).await;
+        let lease = admit_now(balancer).await;
         if lease.backend().addr().as_str() == target {
             lease.finish(finish);
             settle().await;

@@ -8,57 +8,14 @@
 
 mod paused;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use custom_router::balancer::{Admission, Balancer, Band, Lease, Rejection};
-use custom_router::config::Config;
-use custom_router::strategies::RequestInfo;
-use paused::{OK, ewma_balancer, settle};
+use custom_router::balancer::{Admission, Band, Lease, Rejection};
+use paused::{
+    OK, answer_now, counter, one_busy_backend, queue, settle, slow_threshold_balancer as balancer,
+};
 use tokio::task::JoinHandle;
 use tokio::time::advance;
-
-fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
-    ewma_balancer(|config| {
-        config.latency.threshold = Duration::from_millis(50);
-        configure(config);
-    })
-}
-
-/// One backend measured at 100 ms (above the threshold: one request at a time), with one
-/// request in flight on it, returned.
-async fn one_busy_backend(balancer: &Arc<Balancer>) -> Lease {
-    balancer.set_backends(vec!["a:1".parse().unwrap()]);
-    let first = balancer.admit(RequestInfo::default()).await.unwrap();
-    advance(Duration::from_millis(100)).await;
-    first.finish(OK);
-    settle().await;
-    balancer.admit(RequestInfo::default()).await.unwrap()
-}
-
-fn queued(balancer: &Arc<Balancer>, admission: Admission) -> JoinHandle<Result<Lease, Rejection>> {
-    let balancer = Arc::clone(balancer);
-    tokio::spawn(async move { balancer.admit_as(RequestInfo::default(), admission).await })
-}
-
-async fn queue(
-    balancer: &Arc<Balancer>,
-    admission: Admission,
-) -> JoinHandle<Result<Lease, Rejection>> {
-    let task = queued(balancer, admission);
-    settle().await;
-    task
-}
-
-/// Admits at once (refused or not): the answer must not wait.
-async fn answer_now(balancer: &Arc<Balancer>, admission: Admission) -> Result<Lease, Rejection> {
-    tokio::time::timeout(
-        Duration::ZERO,
-        balancer.admit_as(RequestInfo::default(), admission),
-    )
-    .await
-    .expect("answered without waiting")
-}
 
 fn in_band(band: Band) -> Admission {
     Admission {
@@ -88,14 +45,6 @@ async fn next_after(
         .position(JoinHandle::is_finished)
         .expect("a waiter went");
     waiters.remove(index).await.unwrap().unwrap()
-}
-
-fn counter(balancer: &Balancer, name: &str, attribute: &str) -> f64 {
-    let text = balancer.metrics().render().unwrap();
-    text.lines()
-        .filter(|line| line.starts_with(name) && line.contains(attribute))
-        .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test(start_paused = true)]

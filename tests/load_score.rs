@@ -7,12 +7,11 @@ mod paused;
 use std::sync::Arc;
 use std::time::Duration;
 
-use custom_router::backend::Backend;
 use custom_router::balancer::{Balancer, Finish, Lease};
 use custom_router::config::{Config, Settings};
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
-use paused::settle;
+use paused::{admit_now, settle, with_backends};
 use tokio::task::JoinHandle;
 use tokio::time::advance;
 
@@ -20,18 +19,6 @@ fn balancer() -> Arc<Balancer> {
     let mut config = Config::default();
     config.strategy.name = "queued-least-latency".to_owned();
     Settings::from_config(config).unwrap().balancer().unwrap()
-}
-
-fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {
-    let addrs = addrs.iter().map(|a| a.parse().unwrap()).collect();
-    balancer.set_backends(addrs).to_vec()
-}
-
-async fn admit_now(balancer: &Arc<Balancer>) -> Lease {
-    tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default()))
-        .await
-        .expect("admitted without waiting")
-        .expect("a lease")
 }
 
 /// Admits requests for as long as they go straight out (at most `most`).

@@ -7,32 +7,13 @@ mod paused;
 use std::sync::Arc;
 use std::time::Duration;
 
-use custom_router::backend::{Backend, ErrorKind};
+use custom_router::backend::ErrorKind;
 use custom_router::balancer::{Admission, Balancer, Finish, Lease, Rejection};
-use custom_router::config::Config;
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
-use paused::{OK, ewma_balancer, settle};
+use paused::{OK, admit_now, counter, ewma_balancer as balancer, settle, with_backends};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, advance};
-
-/// A queued-least-latency balancer with the reference rules (`score = "ewma"`).
-fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
-    ewma_balancer(configure)
-}
-
-fn with_backends(balancer: &Arc<Balancer>, addrs: &[&str]) -> Vec<Arc<Backend>> {
-    let addrs = addrs.iter().map(|a| a.parse().unwrap()).collect();
-    balancer.set_backends(addrs).to_vec()
-}
-
-/// Admits at once or panics: the fast path must not wait.
-async fn admit_now(balancer: &Arc<Balancer>) -> Lease {
-    let admitted = tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default()))
-        .await
-        .expect("admitted without waiting");
-    admitted.expect("a lease")
-}
 
 /// Starts an admission in the background and lets it reach the queue.
 async fn admit_later(balancer: &Arc<Balancer>) -> JoinHandle<Result<Lease, Rejection>> {
@@ -47,21 +28,6 @@ async fn finish_after(lease: Lease, latency: Duration) {
     advance(latency).await;
     lease.finish(OK);
     settle().await;
-}
-
-/// The sum of a counter over its attributes (0 before any was counted).
-fn counter(balancer: &Balancer, name: &str) -> f64 {
-    let text = balancer.metrics().render().unwrap();
-    text.lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix(name)?;
-            let value = match rest.strip_prefix('{') {
-                Some(labelled) => labelled.split_once("} ")?.1,
-                None => rest.strip_prefix(' ')?,
-            };
-            value.parse::<f64>().ok()
-        })
-        .sum()
 }
 
 #[tokio::test(start_paused = true)]
@@ -189,7 +155,7 @@ async fn a_full_queue_evicts_the_oldest_waiter_with_503() {
     assert_eq!(balancer.queue_depth(), 2);
     assert!(!second.is_finished() && !third.is_finished());
     assert_eq!(
-        counter(&balancer, "custom_router_requests_evicted_total"),
+        counter(&balancer, "custom_router_requests_evicted_total", ""),
         1.0
     );
 }
@@ -209,7 +175,7 @@ async fn a_request_waiting_past_the_queue_timeout_gets_503_at_the_deadline() {
     );
     assert_eq!(balancer.queue_depth(), 0);
     assert_eq!(
-        counter(&balancer, "custom_router_requests_timeout_total"),
+        counter(&balancer, "custom_router_requests_timeout_total", ""),
         1.0
     );
 }
@@ -246,7 +212,7 @@ async fn a_client_gone_while_queued_is_never_dispatched() {
     settle().await;
     assert_eq!(balancer.queue_depth(), 1);
     assert_eq!(
-        counter(&balancer, "custom_router_requests_cancelled_total"),
+        counter(&balancer, "custom_router_requests_cancelled_total", ""),
         1.0
     );
     finish_after(probe, Duration::from_millis(10)).await;
@@ -392,7 +358,10 @@ async fn a_queue_of_ratio_times_the_in_flight_requests_sheds_new_ones_at_once() 
     assert_eq!(shed.unwrap_err(), Rejection::Overloaded(2));
     assert_eq!(Rejection::Overloaded(2).retry_after(), 2);
     assert_eq!(balancer.queue_depth(), 10);
-    assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 1.0);
+    assert_eq!(
+        counter(&balancer, "custom_router_requests_shed_total", ""),
+        1.0
+    );
 
     // A finish lets waiters go (more ramp-up room too): the queue is below the bound again and
     // takes a newcomer.
@@ -402,7 +371,10 @@ async fn a_queue_of_ratio_times_the_in_flight_requests_sheds_new_ones_at_once() 
     let newcomer = admit_later(&balancer).await;
     assert!(!newcomer.is_finished());
     assert_eq!(balancer.queue_depth(), depth + 1);
-    assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 1.0);
+    assert_eq!(
+        counter(&balancer, "custom_router_requests_shed_total", ""),
+        1.0
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -440,7 +412,10 @@ async fn a_ratio_of_zero_never_sheds() {
     }
     assert_eq!(balancer.queue_depth(), 100);
     assert!(waiting.iter().all(|task| !task.is_finished()));
-    assert_eq!(counter(&balancer, "custom_router_requests_shed_total"), 0.0);
+    assert_eq!(
+        counter(&balancer, "custom_router_requests_shed_total", ""),
+        0.0
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -17,49 +17,14 @@ use custom_router::config::Config;
 use custom_router::prompt::Prompt;
 use custom_router::strategies::RequestInfo;
 use custom_router::strategy::{HeaderLookup, RequestView};
-use paused::{OK, ewma_balancer, settle};
+use paused::{
+    OK, answer_now, counter, ewma_balancer, one_busy_backend, queue, queue_info, settle,
+    slow_threshold_balancer as balancer,
+};
 use tokio::task::JoinHandle;
 use tokio::time::advance;
 
 type Waiter = JoinHandle<Result<Lease, Rejection>>;
-
-fn balancer(configure: impl FnOnce(&mut Config)) -> Arc<Balancer> {
-    ewma_balancer(|config| {
-        config.latency.threshold = Duration::from_millis(50);
-        configure(config);
-    })
-}
-
-/// One backend measured at 100 ms (above the 50 ms threshold: one request at a time), with one
-/// request in flight on it, returned.
-async fn one_busy_backend(balancer: &Arc<Balancer>) -> Lease {
-    balancer.set_backends(vec!["a:1".parse().unwrap()]);
-    let first = balancer.admit(RequestInfo::default()).await.unwrap();
-    advance(Duration::from_millis(100)).await;
-    first.finish(OK);
-    settle().await;
-    balancer.admit(RequestInfo::default()).await.unwrap()
-}
-
-async fn queue_info(balancer: &Arc<Balancer>, info: RequestInfo, admission: Admission) -> Waiter {
-    let balancer = Arc::clone(balancer);
-    let task = tokio::spawn(async move { balancer.admit_as(info, admission).await });
-    settle().await;
-    task
-}
-
-async fn queue(balancer: &Arc<Balancer>, admission: Admission) -> Waiter {
-    queue_info(balancer, RequestInfo::default(), admission).await
-}
-
-async fn answer_now(balancer: &Arc<Balancer>, admission: Admission) -> Result<Lease, Rejection> {
-    tokio::time::timeout(
-        Duration::ZERO,
-        balancer.admit_as(RequestInfo::default(), admission),
-    )
-    .await
-    .expect("answered without waiting")
-}
 
 fn adm(band: Band, tenant: u64) -> Admission {
     Admission {
@@ -81,14 +46,6 @@ fn costing(cost: u32) -> RequestInfo {
         })),
         ..RequestInfo::default()
     }
-}
-
-fn metric(balancer: &Balancer, name: &str, attribute: &str) -> f64 {
-    let text = balancer.metrics().render().unwrap();
-    text.lines()
-        .filter(|line| line.starts_with(name) && line.contains(attribute))
-        .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 /// Finishes `lease` after 100 ms and returns which of `waiters` (by label) went, and its lease.
@@ -117,7 +74,7 @@ async fn eviction_a_low_newcomer_does_not_evict_a_high_request() {
     let high_1 = queue(&balancer, adm(Band::High, 0)).await;
     let high_2 = queue(&balancer, adm(Band::High, 0)).await;
     let low = queue(&balancer, adm(Band::Low, 0)).await;
-    let evicted_high = metric(
+    let evicted_high = counter(
         &balancer,
         "custom_router_requests_evicted_total",
         "band=\"high\"",
@@ -278,7 +235,7 @@ async fn a_tenants_cancelled_requests_do_not_push_its_next_request_back() {
     settle().await;
     assert_eq!(balancer.queue_depth(), 11);
     assert_eq!(
-        metric(&balancer, "custom_router_requests_cancelled_total", ""),
+        counter(&balancer, "custom_router_requests_cancelled_total", ""),
         10.0
     );
     waiters.push(("A-new", queue(&balancer, adm(Band::Normal, 1)).await));
@@ -421,7 +378,7 @@ async fn a_deadline_of_zero_is_answered_at_once_and_counted() {
     let unknown = queue(&balancer, zero).await;
     assert_eq!(unknown.await.unwrap().unwrap_err(), Rejection::Timeout);
     assert_eq!(
-        metric(
+        counter(
             &balancer,
             "custom_router_requests_timeout_total",
             "band=\"low\""
@@ -438,11 +395,11 @@ async fn a_deadline_of_zero_is_answered_at_once_and_counted() {
         "{refused:?}"
     );
     assert_eq!(
-        metric(
+        counter(
             &balancer,
             "custom_router_requests_shed_total",
             "band=\"low\",reason=\"deadline\""
-        ) + metric(
+        ) + counter(
             &balancer,
             "custom_router_requests_shed_total",
             "reason=\"deadline\",band=\"low\""
@@ -472,7 +429,7 @@ async fn a_request_cancelled_as_it_is_dispatched_is_released_and_counted_once() 
     assert_eq!(backend.in_flight(), 1);
     assert_eq!(balancer.queue_depth(), 0);
     assert_eq!(
-        metric(
+        counter(
             &balancer,
             "custom_router_requests_cancelled_total",
             "band=\"high\""
@@ -480,7 +437,7 @@ async fn a_request_cancelled_as_it_is_dispatched_is_released_and_counted_once() 
         1.0
     );
     assert_eq!(
-        metric(&balancer, "custom_router_requests_cancelled_total", ""),
+        counter(&balancer, "custom_router_requests_cancelled_total", ""),
         1.0
     );
     drop(lease);
@@ -516,7 +473,7 @@ async fn every_backend_removed_while_requests_wait_refuses_nothing_and_times_the
     settle().await;
     assert_eq!(timed.await.unwrap().unwrap_err(), Rejection::Timeout);
     assert_eq!(
-        metric(
+        counter(
             &balancer,
             "custom_router_requests_timeout_total",
             "band=\"high\""

@@ -227,39 +227,24 @@ struct Bounded<C> {
     write_stall: Option<Duration>,
 }
 
-/// A connection whose writes fail once one has waited `limit` with nothing taken.
+/// A connection whose writes fail once one has waited `upstream.idle_timeout` with nothing
+/// taken (none with no limit).
 struct Stalling<S> {
     inner: S,
-    limit: Option<Duration>,
-    /// Set when a write first waits; cleared when one makes progress.
-    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    stall: Option<h1::stall::WriteStall>,
 }
 
 impl<S> Stalling<S> {
-    /// `written` as it is, unless the writes have waited `limit`: then an error.
+    /// `written` as it is, unless the writes have waited the limit: then an error.
     fn bounded<T>(
         &mut self,
         cx: &mut std::task::Context<'_>,
         written: std::task::Poll<std::io::Result<T>>,
     ) -> std::task::Poll<std::io::Result<T>> {
-        use std::task::Poll;
-        let Some(limit) = self.limit else {
-            return written;
-        };
-        if written.is_ready() {
-            self.deadline = None;
-            return written;
+        match self.stall.as_mut() {
+            Some(stall) => stall.bounded(cx, written),
+            None => written,
         }
-        let deadline = self
-            .deadline
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        if deadline.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the backend took nothing of the request for idle_timeout",
-            )));
-        }
-        Poll::Pending
     }
 }
 
@@ -352,8 +337,12 @@ where
                 Ok(connected) => connected
                     .map(|inner| Stalling {
                         inner,
-                        limit,
-                        deadline: None,
+                        stall: limit.map(|limit| {
+                            h1::stall::WriteStall::new(
+                                limit,
+                                "the backend took nothing of the request for idle_timeout",
+                            )
+                        }),
                     })
                     .map_err(Into::into),
                 Err(_) => Err(std::io::Error::new(

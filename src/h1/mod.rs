@@ -20,6 +20,7 @@ pub mod client;
 pub mod fields;
 pub mod idle;
 pub mod server;
+pub mod stall;
 
 pub use client::{Connection, RequestHead, ResponseStream, SendError};
 

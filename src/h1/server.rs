@@ -388,19 +388,17 @@ pub async fn serve<H: Handler, W: ClientWrite>(
 /// waits; the timer is made on the first write that waits and set again on the next.
 struct Sending<W> {
     inner: W,
-    timeout: Duration,
-    /// Whether the last write waited and nothing was taken since.
-    waiting: bool,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    stall: super::stall::WriteStall,
 }
 
 impl<W> Sending<W> {
     fn new(inner: W, timeout: Duration) -> Self {
         Self {
             inner,
-            timeout,
-            waiting: false,
-            sleep: None,
+            stall: super::stall::WriteStall::new(
+                timeout,
+                "the client took nothing for send_timeout",
+            ),
         }
     }
 
@@ -410,29 +408,7 @@ impl<W> Sending<W> {
         cx: &mut Context<'_>,
         written: Poll<io::Result<T>>,
     ) -> Poll<io::Result<T>> {
-        if written.is_ready() {
-            self.waiting = false;
-            return written;
-        }
-        if !self.waiting {
-            self.waiting = true;
-            let deadline = tokio::time::Instant::now() + self.timeout;
-            match self.sleep.as_mut() {
-                Some(sleep) => sleep.as_mut().reset(deadline),
-                None => self.sleep = Some(Box::pin(tokio::time::sleep_until(deadline))),
-            }
-        }
-        let expired = self
-            .sleep
-            .as_mut()
-            .is_some_and(|sleep| sleep.as_mut().poll(cx).is_ready());
-        if expired {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the client took nothing for send_timeout",
-            )));
-        }
-        Poll::Pending
+        self.stall.bounded(cx, written)
     }
 }
 

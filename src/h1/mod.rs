@@ -8,7 +8,6 @@ use std::future::Future;
 use std::io;
 use std::pin::pin;
 use std::task::{Context, Poll, ready};
-use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -23,6 +22,7 @@ pub mod server;
 pub mod stall;
 
 pub use client::{Connection, RequestHead, ResponseStream, SendError};
+pub use stall::StallTimer;
 
 /// A body error, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -656,56 +656,6 @@ pub(crate) fn decode_trailers(buffer: &mut BytesMut) -> io::Result<Decoded> {
         Ok(httparse::Status::Partial) if buffer.len() < MAX_HEAD_BYTES => Ok(Decoded::More),
         Ok(httparse::Status::Partial) => Err(invalid("trailers too large")),
         Err(_) => Err(invalid("malformed trailers")),
-    }
-}
-
-/// A body's idle timeout: fires when nothing came for `timeout` since the last progress. The
-/// timer is made on the body's first wait (a body ready at once never makes one) and moved only
-/// when it fires, not on every frame.
-#[derive(Debug)]
-pub struct StallTimer {
-    timeout: Duration,
-    progress_at: Option<tokio::time::Instant>,
-    sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl StallTimer {
-    /// A timer for `timeout`; progress is counted from the first wait.
-    pub fn new(timeout: Duration) -> Self {
-        Self {
-            timeout,
-            progress_at: None,
-            sleep: None,
-        }
-    }
-
-    /// Something came: the wait starts again from now (the clock is read only once the body has
-    /// waited).
-    pub fn progressed(&mut self) {
-        if self.sleep.is_some() {
-            self.progress_at = Some(tokio::time::Instant::now());
-        }
-    }
-
-    /// Whether nothing came for the timeout (registers the wake-up otherwise).
-    pub fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
-        let progress_at = *self
-            .progress_at
-            .get_or_insert_with(tokio::time::Instant::now);
-        let deadline = progress_at + self.timeout;
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        loop {
-            if sleep.as_mut().poll(cx).is_pending() {
-                return false;
-            }
-            if sleep.deadline() >= deadline {
-                return true;
-            }
-            // Progress came since the timer was set: it waits on from the last of it.
-            sleep.as_mut().reset(deadline);
-        }
     }
 }
 

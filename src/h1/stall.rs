@@ -1,14 +1,66 @@
-//! The write-stall timer both directions share: a write that waits `limit` with nothing taken
-//! fails, so that a peer that stops reading (a client its answer, a backend its upload) does not
-//! hold the exchange forever. The clock runs only while a write waits; the timer is made on the
-//! first write that waits and set again on the next.
+//! The stall timers, both directions: [`StallTimer`] for a body the router reads (a request
+//! body from a client, an answer's body from a backend) that stops coming, [`WriteStall`] for a
+//! write the peer takes nothing of (a client its answer, a backend its upload), so that a peer
+//! that stops sending or reading does not hold the exchange forever.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-/// A timer over the writes of one connection.
+/// A body's idle timeout: fires when nothing came for `timeout` since the last progress. The
+/// timer is made on the body's first wait (a body ready at once never makes one) and moved only
+/// when it fires, not on every frame.
+#[derive(Debug)]
+pub struct StallTimer {
+    timeout: Duration,
+    progress_at: Option<tokio::time::Instant>,
+    sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl StallTimer {
+    /// A timer for `timeout`; progress is counted from the first wait.
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            progress_at: None,
+            sleep: None,
+        }
+    }
+
+    /// Something came: the wait starts again from now (the clock is read only once the body has
+    /// waited).
+    pub fn progressed(&mut self) {
+        if self.sleep.is_some() {
+            self.progress_at = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// Whether nothing came for the timeout (registers the wake-up otherwise).
+    pub fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let progress_at = *self
+            .progress_at
+            .get_or_insert_with(tokio::time::Instant::now);
+        let deadline = progress_at + self.timeout;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            if sleep.deadline() >= deadline {
+                return true;
+            }
+            // Progress came since the timer was set: it waits on from the last of it.
+            sleep.as_mut().reset(deadline);
+        }
+    }
+}
+
+/// A timer over the writes of one connection: a write that waits `limit` with nothing taken
+/// fails. The clock runs only while a write waits; the timer is made on the first write that
+/// waits and set again on the next.
 pub struct WriteStall {
     limit: Duration,
     /// What the error says when the limit passes.

@@ -203,12 +203,16 @@ impl RequestHead {
     }
 
     /// Sets the `traceparent` the next attempt sends (fields kept in a map only; the proxy puts
-    /// them there when traces are on).
-    pub(crate) fn set_traceparent(&mut self, value: &str) {
+    /// them there when traces are on). Unless the trace goes on from the client's
+    /// `traceparent`, the client's `tracestate` is dropped: it belongs to no trace sent.
+    pub(crate) fn set_traceparent(&mut self, value: &str, continues_client_trace: bool) {
         if let (HeadFields::Map(headers), Ok(value)) =
             (&mut self.fields, HeaderValue::from_str(value))
         {
             headers.insert(HeaderName::from_static("traceparent"), value);
+            if !continues_client_trace {
+                headers.remove(HeaderName::from_static("tracestate"));
+            }
         }
     }
 

@@ -367,6 +367,7 @@ pub async fn proxy(
             );
         }
         let attempt_span = seen.span.as_ref().map(|span| {
+            let continues_client_trace = span.continues_client_trace();
             let backend = lease.backend();
             let span = span.attempt(
                 head.method.as_str(),
@@ -379,7 +380,7 @@ pub async fn proxy(
                     uncached_tokens,
                 },
             );
-            head.set_traceparent(&span.traceparent());
+            head.set_traceparent(&span.traceparent(), continues_client_trace);
             // Boxed: the span is large, and the proxy's future carries it across the attempt.
             Box::new(span)
         });

@@ -328,18 +328,11 @@ fn h2_as_http1(
         .headers()
         .get(header::HOST)
         .map(HeaderValue::as_bytes);
-    if authority
-        .is_some_and(|authority| authority.contains(&b'@') || !h1::server::valid_host(authority))
-        || host.is_some_and(|host| !h1::server::valid_host(host))
-    {
-        return bad("invalid Host");
+    if let Some(refusal) = h1::server::host_refusal(authority, host) {
+        return bad(refusal);
     }
-    match (authority, host) {
-        (Some(authority), Some(host)) if !authority.eq_ignore_ascii_case(host) => {
-            return bad("Host differs from :authority");
-        }
-        (None, None) => return bad("request without Host"),
-        _ => {}
+    if authority.is_none() && host.is_none() {
+        return bad("request without Host");
     }
     // Cookies split into fields of their own (as browsers send them over HTTP/2) are one line
     // again, joined with "; " (RFC 9113 §8.2.3).

@@ -87,11 +87,11 @@ impl Traces {
 
     /// The server span of a request, continued from its `traceparent` if valid.
     pub fn request(&self, method: &str, path: &str, traceparent: Option<&[u8]>) -> RequestSpan {
-        let parent = traceparent
-            .and_then(parse_traceparent)
-            .map_or_else(Context::new, |remote| {
-                Context::new().with_remote_span_context(remote)
-            });
+        let remote = traceparent.and_then(parse_traceparent);
+        let continues_client_trace = remote.is_some();
+        let parent = remote.map_or_else(Context::new, |remote| {
+            Context::new().with_remote_span_context(remote)
+        });
         let span = self
             .tracer
             .span_builder(method.to_owned())
@@ -105,6 +105,7 @@ impl Traces {
             traces: self.clone(),
             context: parent.with_span(span),
             queue: None,
+            continues_client_trace,
         }
     }
 }
@@ -115,9 +116,19 @@ pub struct RequestSpan {
     traces: Traces,
     context: Context,
     queue: Option<opentelemetry_sdk::trace::Span>,
+    /// Whether the request's `traceparent` was valid and the trace goes on from it (otherwise
+    /// the trace starts here, and the client's `tracestate` belongs to no trace).
+    continues_client_trace: bool,
 }
 
 impl RequestSpan {
+    /// Whether the trace goes on from the client's valid `traceparent`; when it does not, the
+    /// client's `tracestate` is not forwarded (W3C Trace Context: a `tracestate` without a
+    /// valid `traceparent` is discarded).
+    pub fn continues_client_trace(&self) -> bool {
+        self.continues_client_trace
+    }
+
     /// The trace id, as the access log writes it.
     pub fn trace_id(&self) -> String {
         self.context.span().span_context().trace_id().to_string()
@@ -278,7 +289,7 @@ fn parse_traceparent(value: &[u8]) -> Option<SpanContext> {
         part.bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     };
-    if !(lower(trace) && lower(parent) && lower(flags)) {
+    if !(lower(version) && lower(trace) && lower(parent) && lower(flags)) {
         return None;
     }
     let trace_id = TraceId::from_hex(trace).ok()?;

@@ -273,7 +273,7 @@ async fn an_h2c_request_with_a_host_nginx_would_refuse_or_one_against_its_author
         (
             "example.test:8080",
             StatusCode::BAD_REQUEST,
-            "Host differs from :authority",
+            "Host differs from the target's authority",
         ),
         (own.as_str(), StatusCode::OK, ""),
     ] {

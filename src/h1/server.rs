@@ -566,7 +566,10 @@ async fn receive<H: Handler, W: ClientWrite>(
     if held.is_none() {
         held = slot.as_ref().and_then(|slot| slot.take());
     }
-    if draining.started() {
+    // An answer given before the request's body was read to its end closes the connection (the
+    // rest of the body is never read): it says so (RFC 9112 §9.6), so that the client does not
+    // send its next request on it.
+    if draining.started() || held.is_none() {
         keep_alive = false;
     }
     let written = Written {
@@ -797,6 +800,25 @@ pub fn target_form_refusal(method: &Method, uri: &Uri) -> Option<&'static str> {
     None
 }
 
+/// Why a request's host is refused (400), given its target's authority (HTTP/1 absolute form,
+/// HTTP/2 `:authority`) and its `Host` field: an authority with user information (RFC 9110
+/// §4.2.4) or either not a valid host ([`valid_host`]), or a `Host` that names another host than
+/// the authority (RFC 9112 §3.2.2 has a proxy take the target's, RFC 9113 §8.3.1 calls the
+/// request malformed; refused as HAProxy refuses it, so that no party reads another host).
+pub fn host_refusal(authority: Option<&[u8]>, host: Option<&[u8]>) -> Option<&'static str> {
+    if authority.is_some_and(|authority| authority.contains(&b'@') || !valid_host(authority))
+        || host.is_some_and(|host| !valid_host(host))
+    {
+        return Some("invalid Host");
+    }
+    match (authority, host) {
+        (Some(authority), Some(host)) if !authority.eq_ignore_ascii_case(host) => {
+            Some("Host differs from the target's authority")
+        }
+        _ => None,
+    }
+}
+
 /// Whether a `Host` value names a host as nginx accepts it (`ngx_http_validate_host`): no
 /// space, control byte or `/`, no `..`, and a name that is not empty once a port and one
 /// trailing dot are set aside. The value reaches the backend as it is, and a backend may build
@@ -942,8 +964,9 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
             let length = parse_content_length(value).map_err(|_| bad("invalid Content-Length"))?;
             content_length = Some(length);
         } else if name.eq_ignore_ascii_case(b"host") {
-            if !valid_host(value) {
-                return Err(bad("invalid Host"));
+            let authority = uri.authority().map(|a| a.as_str().as_bytes());
+            if let Some(refusal) = host_refusal(authority, Some(value)) {
+                return Err(bad(refusal));
             }
             hosts += 1;
         } else if name.eq_ignore_ascii_case(b"expect") {
@@ -970,6 +993,13 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
         return Err(bad("HTTP/1.1 request without Host"));
     }
     let has_host = hosts == 1;
+    if !has_host {
+        // An absolute-form target without `Host` (HTTP/1.0): its authority becomes the `Host`.
+        let authority = uri.authority().map(|a| a.as_str().as_bytes());
+        if let Some(refusal) = host_refusal(authority, None) {
+            return Err(bad(refusal));
+        }
+    }
     // Lines serve unless `Connection` names fields (they must go too), `X-Forwarded-For` came
     // more than once (its values are joined), or an absolute-form target stands for `Host`.
     let as_lines =

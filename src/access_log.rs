@@ -3,7 +3,8 @@
 //!
 //! A request's record is filled as it goes (arrival, attempts, the backend, the queue wait) and
 //! sent when the response has ended: at the end of a proxied body (or when the client left or
-//! the body failed), at once for an answer the router wrote itself. Records go through a bounded
+//! the body failed), at once for an answer the router wrote itself, and when the client left
+//! before the answer's head (status 499, reason `client_gone`). Records go through a bounded
 //! channel to one writer thread, which serializes them and writes to stdout; nothing on the
 //! request path waits for stdout or holds a lock across I/O. When the channel is full (stdout
 //! cannot keep up) a record is dropped and counted, never waited for.

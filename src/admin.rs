@@ -53,13 +53,12 @@ pub struct AdminConfig {
 }
 
 impl AdminConfig {
-    /// Whether the request carries the configured bearer token (or none is configured).
-    fn authorizes(&self, request: &Request<ClientBody>) -> bool {
+    /// Whether `headers` carry the configured bearer token (or none is configured).
+    fn authorizes(&self, headers: &http::HeaderMap) -> bool {
         let Some(token) = &self.token else {
             return true;
         };
-        let presented = request
-            .headers()
+        let presented = headers
             .get(AUTHORIZATION)
             .and_then(|value| value.to_str().ok())
             .and_then(|value| {
@@ -108,18 +107,23 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Answers one admin request.
-pub async fn handle(
-    balancer: &Arc<Balancer>,
+/// The answer to an admin request that does not depend on its body, if it is refused whatever
+/// the body holds: an unknown path (404), a wrong method (405), set-backends without the token
+/// (401) or with a body declared (`declared`, its `Content-Length`) over [`MAX_BODY_BYTES`]
+/// (413). Asked before the body is read, so that a client expecting `100 Continue` is refused
+/// before it is told to send.
+pub fn refusal(
     policy: &AdminConfig,
-    request: Request<ClientBody>,
-) -> Response<ResponseBody> {
-    let allowed = match request.uri().path() {
+    method: &Method,
+    path: &str,
+    headers: &http::HeaderMap,
+    declared: Option<u64>,
+) -> Option<Response<ResponseBody>> {
+    let allowed = match path {
         SET_BACKENDS => Method::POST,
         HEALTH | METRICS => Method::GET,
-        _ => return response::error(StatusCode::NOT_FOUND, "unknown admin path"),
+        _ => return Some(response::error(StatusCode::NOT_FOUND, "unknown admin path")),
     };
-    let method = request.method();
     if method != allowed && !(allowed == Method::GET && method == Method::HEAD) {
         let mut answer = response::error(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -129,6 +133,39 @@ pub async fn handle(
             ALLOW,
             HeaderValue::from_str(allowed.as_str()).expect("a method is a valid header value"),
         );
+        return Some(answer);
+    }
+    if path == SET_BACKENDS {
+        if !policy.authorizes(headers) {
+            let mut answer =
+                response::error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+            answer
+                .headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return Some(answer);
+        }
+        // A body declared larger than the limit is refused before any of it is read.
+        if declared.is_some_and(|length| length > MAX_BODY_BYTES as u64) {
+            return Some(too_large());
+        }
+    }
+    None
+}
+
+/// Answers one admin request.
+pub async fn handle(
+    balancer: &Arc<Balancer>,
+    policy: &AdminConfig,
+    request: Request<ClientBody>,
+) -> Response<ResponseBody> {
+    let declared = request.body().size_hint().lower();
+    if let Some(answer) = refusal(
+        policy,
+        request.method(),
+        request.uri().path(),
+        request.headers(),
+        Some(declared),
+    ) {
         return answer;
     }
     match request.uri().path() {
@@ -145,34 +182,29 @@ pub async fn handle(
     }
 }
 
+/// Set-backends, its token and declared size checked ([`refusal`]).
 async fn set_backends(
     balancer: &Arc<Balancer>,
     policy: &AdminConfig,
     request: Request<ClientBody>,
 ) -> Response<ResponseBody> {
-    if !policy.authorizes(&request) {
-        let mut answer = response::error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
-        answer
-            .headers_mut()
-            .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return answer;
-    }
-    // A body declared larger than the limit is refused before any of it is read.
-    if request.body().size_hint().lower() > MAX_BODY_BYTES as u64 {
-        return too_large();
-    }
     let body = match Limited::new(request.into_body(), MAX_BODY_BYTES)
         .collect()
         .await
     {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.is::<http_body_util::LengthLimitError>() => return too_large(),
-        Err(error) => {
-            return response::error(
-                StatusCode::BAD_REQUEST,
-                &format!("could not read body: {error}"),
-            );
-        }
+        // A body the client stopped sending: 408, as a proxied request's (and its connection
+        // closed); one cut short: 400.
+        Err(error) => match crate::h1::BodyFailure::of(&*error) {
+            failure @ crate::h1::BodyFailure::TimedOut => return response::body_failure(failure),
+            crate::h1::BodyFailure::Broken => {
+                return response::error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("could not read body: {error}"),
+                );
+            }
+        },
     };
     let addrs = match parse_backends(&body).and_then(|addrs| {
         policy.check_networks(&addrs)?;

@@ -67,12 +67,29 @@ impl Observation {
 
     /// The response ended with `status` and `bytes` of body; `reason` says why the router
     /// answered itself, or how the body failed.
-    pub fn finish(self, status: u16, bytes: u64, reason: Option<&'static str>) {
-        if let Some(log) = self.log {
+    pub fn finish(mut self, status: u16, bytes: u64, reason: Option<&'static str>) {
+        if let Some(log) = self.log.take() {
             log.finish(status, bytes, reason);
         }
-        if let Some(span) = self.span {
+        if let Some(span) = self.span.take() {
             span.finish(status, bytes, reason);
+        }
+    }
+}
+
+/// The status an access log line and a span give a request whose client left before its
+/// answer's head (nginx's 499), with the reason `client_gone`.
+pub const CLIENT_GONE: u16 = 499;
+
+impl Drop for Observation {
+    fn drop(&mut self) {
+        // Dropped unfinished: the client left before the answer's head (while its request was
+        // queued or its backend had not answered), and the proxy's future went with it.
+        if let Some(log) = self.log.take() {
+            log.finish(CLIENT_GONE, 0, Some("client_gone"));
+        }
+        if let Some(span) = self.span.take() {
+            span.finish(CLIENT_GONE, 0, Some("client_gone"));
         }
     }
 }

@@ -412,8 +412,13 @@ pub async fn proxy(
                 if let Some(queued) = queued {
                     add_decision_headers(&mut response, backend.addr(), queued);
                 }
-                if let Either::Left(observed) = response.body_mut() {
-                    observed.observe(seen);
+                let status = response.status().as_u16();
+                match response.body_mut() {
+                    Either::Left(observed) => observed.observe(seen),
+                    Either::Right(full) => {
+                        let bytes = http_body::Body::size_hint(full).exact().unwrap_or(0);
+                        seen.finish(status, bytes, None);
+                    }
                 }
                 return response;
             }

@@ -730,6 +730,22 @@ impl h1::server::Handler for Routes {
             &self.client,
         )
     }
+
+    fn refuse_unread(
+        &self,
+        request: &Request<()>,
+        fields: Option<&FieldLines>,
+        declared: Option<u64>,
+    ) -> Option<Response<ResponseBody>> {
+        let path = request.uri().path();
+        if !admin::is_admin_path(path) {
+            return None;
+        }
+        let headers = fields.map(FieldLines::to_map);
+        let headers = headers.as_ref().unwrap_or(request.headers());
+        let admin = self.shared.admin.load();
+        admin::refusal(&admin, request.method(), path, headers, declared)
+    }
 }
 
 /// Closes backend connections idle for longer than the idle timeout, a third of it apart.

@@ -302,8 +302,8 @@ pub enum RequestBody {
 
 impl RequestBody {
     /// Reads `body` whole if it is at most `limit` bytes and the buffering `budget` (permits are
-    /// KiB) has room; otherwise keeps what was read and streams the rest. A body announced
-    /// larger than `limit` is not read at all.
+    /// KiB) has room; otherwise keeps what was read and streams the rest. Of a body announced
+    /// larger than `limit` only the first frame is read.
     pub async fn read(
         mut body: ClientBody,
         limit: usize,
@@ -314,7 +314,14 @@ impl RequestBody {
         }
         let announced = body.size_hint().lower();
         if announced > limit as u64 {
-            return Ok(RequestBody::Streaming(None, body));
+            // Not read whole, but its first frame is read, so that what routes on the body's
+            // first bytes (`affinity`'s body key) sees them.
+            let first = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+            let first = match first {
+                Some(frame) => frame?.into_data().ok(),
+                None => None,
+            };
+            return Ok(RequestBody::Streaming(first, body));
         }
         let mut permit: Option<OwnedSemaphorePermit> = None;
         // A body that arrives in one frame (the usual small request) is kept as that frame's

@@ -10,7 +10,8 @@
 //!
 //! A map from block hash to slot (a `HashMap<u64, u32>` with a pass-through hasher, the hashes
 //! being uniformly random already) and a `Vec` of slots `{hash, prev, next}` linked by index into
-//! the LRU list: no allocation per entry, and both containers stop growing at the capacity. A
+//! the LRU list: no allocation per entry, and both containers stop growing at the capacity (the
+//! map is rebuilt in place when evictions have left it no free bucket, rather than doubled). A
 //! full index holds about 50 bytes per block: 16 bytes per slot, and 16 bytes plus one control
 //! byte per map bucket with up to twice as many buckets as blocks. At the default capacity,
 //! 16,384 blocks (1,048,576 tokens), that is about 800 KiB per backend; an index starts empty and
@@ -234,6 +235,14 @@ impl Lru {
             self.unlink(slot);
             self.map.remove(&self.slots[slot as usize].hash);
             self.slots[slot as usize].hash = hash;
+            if self.map.len() == self.map.capacity() {
+                // Removals leave tombstones only a rehash clears, and at this load the map's
+                // own rehash would double it: it is rebuilt in place instead, at its size.
+                self.map.clear();
+                let entries = self.slots.iter().enumerate();
+                self.map
+                    .extend(entries.map(|(at, slot)| (slot.hash, at as u32)));
+            }
             slot
         };
         self.map.insert(hash, slot);

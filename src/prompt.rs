@@ -307,7 +307,12 @@ impl<'de> Visitor<'de> for BodySeed<'_> {
         let mut fields = Fields::default();
         while let Some(field) = map.next_key::<Field>()? {
             match field {
-                Field::Messages if !fields.chat => {
+                // Engines disagree on a duplicate `messages` (Python's read the last, TGI
+                // refuses the body): such a body has no prompt the router can trust.
+                Field::Messages if fields.chat => {
+                    return Err(serde::de::Error::custom("duplicate field `messages`"));
+                }
+                Field::Messages => {
                     fields.chat = true;
                     fields.conversation = map.next_value_seed(MessagesSeed {
                         chain: &mut *self.chain,
@@ -327,7 +332,7 @@ impl<'de> Visitor<'de> for BodySeed<'_> {
                         .and_then(count_of);
                 }
                 Field::Stream => fields.stream = map.next_value::<&RawValue>()?.get() == "true",
-                Field::Messages | Field::Other => {
+                Field::Other => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }

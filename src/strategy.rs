@@ -473,7 +473,9 @@ pub trait Strategy: Send + Sync + 'static {
 
     /// Whether the core should find each request's prompt for [`Strategy::pick`]
     /// ([`RequestInfo::prompt`]); the core then also records each routed prompt in the chosen
-    /// backend's prefix index ([`Backend::prefixes`]).
+    /// backend's prefix index ([`Backend::prefixes`]). The core finds and records prompts for
+    /// every strategy when `queue.tenant_header` is set (the fair shares' cost; the access
+    /// log's `uncached_tokens`).
     fn reads_prompts(&self) -> bool {
         false
     }

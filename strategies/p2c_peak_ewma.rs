@@ -20,7 +20,9 @@
 //!   `decay` seconds (10 by default), independent of the request rate;
 //! - between samples the estimate read by `pick` decays towards zero by `exp(−age / decay)`, so a
 //!   backend that stopped being picked after one slow answer is tried again after a while
-//!   (tower and Finagle decay the same way when they read the load).
+//!   (tower and Finagle decay the same way when they read the load) — but only while the backend
+//!   has nothing in flight: requests in flight will answer for it, and a replica holding LLM
+//!   streams longer than `decay` would otherwise look cheapest exactly when it is busiest.
 //!
 //! The cost is `estimate × (in_flight + 1)`: the expected time to drain the work already sent
 //! there plus this request. It prefers fast replicas but moves on as soon as their queue grows,
@@ -32,7 +34,7 @@
 //!   a failure counts at least `latency.threshold`). A **failure** also counts at least twice the
 //!   backend's current estimate, so a replica that answers errors quickly never looks fast even
 //!   when normal answers take longer than the threshold; consecutive failures double it again
-//!   (the core ejects the replica after `availability.consecutive_failures`).
+//!   (the core ejects the replica after `availability.consecutive_failures`), up to an hour.
 //! - A backend never measured is assumed as slow as the **mean current estimate of the measured
 //!   ones** (or `default_rtt` seconds when that parameter is set): attractive while it has fewer
 //!   requests in flight than its peers, never infinitely so. Tower defaults to 1 s and Linkerd to
@@ -91,6 +93,10 @@ pub const ENTRY: StrategyEntry = StrategyEntry {
 
 /// A failed request counts at least this many times the backend's current estimate.
 const FAILURE_PENALTY: f64 = 2.0;
+
+/// Seconds no estimate exceeds: past any answer, and low enough that a long run of failures
+/// (each doubling the estimate) never reaches infinity, whose decay would read as NaN.
+const MAX_ESTIMATE: f64 = 3600.0;
 
 /// Seconds assumed for a never-measured backend when no backend is measured yet (any value
 /// works: then every backend is unmeasured and in-flight counts decide).
@@ -160,6 +166,7 @@ impl PeakEwma {
     /// Folds in a sample: a peak replaces the estimate, a lower sample pulls it down by the
     /// weight of the time elapsed since the previous sample.
     fn observe(&mut self, sample: f64, now: Instant, decay: f64) {
+        let sample = sample.min(MAX_ESTIMATE);
         if sample > self.estimate {
             self.estimate = sample;
         } else {
@@ -277,6 +284,9 @@ impl P2cPeakEwma {
     /// the mean for a never-measured backend.
     fn latency(&self, set: &[Arc<Backend>], backend: &Backend, now: Instant) -> f64 {
         match self.estimate(backend) {
+            // While requests are in flight the estimate holds: their answers, not time, will
+            // tell. An LLM stream outlasts `decay`; decayed, the busiest replica would look free.
+            Some(estimate) if backend.in_flight() > 0 => estimate.estimate,
             Some(estimate) => estimate.value(now, self.decay),
             None => self.unmeasured_latency(set, now),
         }
@@ -348,7 +358,7 @@ impl Strategy for P2cPeakEwma {
                     outcome.latency
                 };
                 PeakEwma {
-                    estimate: sample,
+                    estimate: sample.min(MAX_ESTIMATE),
                     updated: now,
                 }
             }

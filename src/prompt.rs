@@ -22,8 +22,10 @@
 //! - completions and TGI: the bytes of `prompt` or `inputs`.
 //!
 //! A value's bytes are its raw JSON: escapes stay as they are written (`\n` is two bytes, `\u00e9`
-//! six), a string loses only its two quotes, and anything else (an array of content parts with
-//! its base64 images, an array of prompts, `null`) is taken whole. The two separator bytes cannot
+//! six), a string loses only its two quotes, and anything else (an array of prompts, `null`) is
+//! taken whole, except a chat content given as an array of parts: a text part gives its text,
+//! any other part (an image, an audio clip) a stand-in of [`MEDIA_TOKENS`] tokens derived from
+//! its JSON, so that a base64 image costs what a vision model spends on it, not its size. The two separator bytes cannot
 //! occur in raw JSON, so no message boundary can be mistaken for content.
 //!
 //! The stream is cut into [`BLOCK_BYTES`] blocks that run across message boundaries, as an
@@ -235,6 +237,58 @@ fn text_of(raw: &RawValue) -> &[u8] {
     }
 }
 
+/// Tokens a content part other than text (an image, an audio clip, a file) is counted as: about
+/// what one image costs a vision model (576 for LLaVA-1.5, about 765–1,105 for GPT-4o at high
+/// detail, about 1,300 for Qwen2-VL at 1024 × 1024), whatever the size of its base64 data.
+pub const MEDIA_TOKENS: usize = 1024;
+
+/// Feeds a chat message's content: a string as it is; an array of parts part by part, a text
+/// part's text as it is and any other part as a stand-in of [`MEDIA_TOKENS`] tokens derived from
+/// its JSON (equal parts give equal stand-ins, so an image sent again is a cached prefix; its
+/// base64 bytes are not counted as tokens); anything else whole.
+fn feed_content(chain: &mut Chain, content: &RawValue) {
+    let raw = content.get();
+    if !raw.starts_with('[') {
+        chain.feed(text_of(content));
+        return;
+    }
+    let Ok(parts) = serde_json::from_str::<PartsSeq<'_>>(raw) else {
+        chain.feed(text_of(content));
+        return;
+    };
+    for part in parts.0 {
+        match serde_json::from_str::<Part<'_>>(part.get()) {
+            Ok(Part {
+                kind: Some("text"),
+                text: Some(text),
+            }) => chain.feed(text_of(text)),
+            _ => {
+                let digest = xxh3_64(part.get().as_bytes()).to_le_bytes();
+                let mut stand_in = [0u8; BLOCK_BYTES];
+                for piece in stand_in.chunks_exact_mut(digest.len()) {
+                    piece.copy_from_slice(&digest);
+                }
+                for _ in 0..MEDIA_TOKENS * BYTES_PER_TOKEN / BLOCK_BYTES {
+                    chain.feed(&stand_in);
+                }
+            }
+        }
+    }
+}
+
+/// A content array's parts, borrowed raw.
+#[derive(Deserialize)]
+struct PartsSeq<'a>(#[serde(borrow)] Vec<&'a RawValue>);
+
+/// A content part: its type, and its text when it is a text part.
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<&'a str>,
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+}
+
 /// A number field read leniently: a `u32`, or nothing.
 fn count_of(raw: &RawValue) -> Option<u32> {
     raw.get().parse().ok()
@@ -369,7 +423,7 @@ impl<'de> Visitor<'de> for MessagesSeed<'_> {
             self.chain.feed(role);
             self.chain.feed(&[ROLE_END]);
             if let Some(content) = message.content {
-                self.chain.feed(text_of(content));
+                feed_content(self.chain, content);
             }
             self.chain.feed(&[MESSAGE_END]);
             if conversation.is_none() && role == b"user" {
@@ -447,6 +501,36 @@ mod tests {
         // The array's raw JSON: `["` + 600 + `","second"]` = 613 bytes.
         assert_eq!(as_array.tokens, 154);
         assert_ne!(as_array.blocks[0], as_string.blocks[0]);
+    }
+
+    #[test]
+    fn content_parts_count_text_as_text_and_media_as_a_fixed_stand_in() {
+        let image = |data: &str| json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}});
+        let big = text(1_000_000, 7);
+        let with = |data: &str| {
+            of(json!({"messages": [
+                {"role": "system", "content": "Describe images."},
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image(data)]}
+            ]}))
+        };
+        let p = with(&big);
+        // "system" 0 "Describe images." 1E "user" 0 "What is this?" + 4,096 stand-in bytes 1E.
+        let text_bytes = 6 + 1 + 16 + 1 + 4 + 1 + 13 + 1;
+        assert_eq!(
+            p.tokens as usize,
+            (text_bytes + MEDIA_TOKENS * BYTES_PER_TOKEN).div_ceil(BYTES_PER_TOKEN)
+        );
+        // The same image again: the same blocks; another image: the blocks part from it on.
+        assert_eq!(with(&big).blocks, p.blocks);
+        let other = with(&text(1_000_000, 8));
+        let shared = common_prefix(&p.blocks, &other.blocks);
+        assert!(shared < p.blocks.len() && shared <= 1, "{shared}");
+        // A content of one text part reads as the same text given as a string.
+        let parts = of(
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]}),
+        );
+        let string = of(json!({"messages": [{"role": "user", "content": "Hi there"}]}));
+        assert_eq!(parts, string);
     }
 
     #[test]

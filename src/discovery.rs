@@ -197,6 +197,12 @@ async fn lookup(dns: &DnsName) -> std::io::Result<Vec<BackendAddr>> {
     let found = tokio::net::lookup_host((dns.name.as_str(), dns.port)).await?;
     let scheme = if dns.https { "https://" } else { "" };
     let unique: BTreeSet<std::net::SocketAddr> = found.collect();
+    if dns.https {
+        // Reached at its address, checked for the name.
+        for addr in &unique {
+            crate::upstream::name_tls_address(*addr, &dns.name);
+        }
+    }
     Ok(unique
         .into_iter()
         .filter_map(|addr| format!("{scheme}{addr}").parse().ok())

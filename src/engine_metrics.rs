@@ -260,7 +260,13 @@ impl Found<'_> {
 /// Reads the load of the engine `kind` names (with [`EngineKind::Auto`], of the engine whose
 /// names appear) from a metrics endpoint's text.
 pub fn parse(text: &str, kind: EngineKind) -> Result<EngineReading, ParseError> {
-    let (metrics, error) = prom_text_format_parser::parse_scrape(text);
+    // Only the lines of the metrics read go to the parser, which builds every line it is given:
+    // an engine's text of thousands of histogram series costs a scan, not their strings.
+    let read = read_lines(text);
+    if read.is_empty() {
+        return Err(ParseError::Unrecognised);
+    }
+    let (metrics, error) = prom_text_format_parser::parse_scrape(&read);
     if metrics.is_empty() {
         if let Some(error) = error {
             return Err(ParseError::Syntax(format!("{error:?}")));
@@ -277,6 +283,41 @@ pub fn parse(text: &str, kind: EngineKind) -> Result<EngineReading, ParseError> 
             .ok_or(ParseError::Unrecognised)?,
     };
     found.reading(names).ok_or(ParseError::Unrecognised)
+}
+
+/// The lines of `text` about the metrics any engine's [`Names`] read: samples, `# TYPE` and
+/// `# HELP` lines whose name starts with one of them (less a `_total`, so that a counter's
+/// family and its samples both stay).
+fn read_lines(text: &str) -> String {
+    let stems = || {
+        [&VLLM, &SGLANG, &TGI].into_iter().flat_map(|names| {
+            [
+                names.running,
+                names.waiting,
+                names.usage,
+                names.prefix_queries,
+                names.prefix_hits,
+            ]
+            .into_iter()
+            .flatten()
+            .map(|name| name.trim_end_matches("_total"))
+        })
+    };
+    let mut kept = String::new();
+    for line in text.lines() {
+        let name = match line.strip_prefix('#') {
+            Some(comment) => comment.split_whitespace().nth(1).unwrap_or(""),
+            None => line
+                .split(|c: char| c == '{' || c.is_ascii_whitespace())
+                .next()
+                .unwrap_or(""),
+        };
+        if !name.is_empty() && stems().any(|stem| name.starts_with(stem)) {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    kept
 }
 
 /// The capacity in a TGI `GET /info` answer: its `max_concurrent_requests`, when positive.
@@ -328,8 +369,10 @@ pub struct EngineLoad {
     stale_after: AtomicU64,
     /// From TGI's `/info`; 0: unknown.
     max_concurrent: AtomicU32,
-    /// Whether `/info` answered (it is asked once per backend).
+    /// Whether `/info` answered (asked again only once the values went stale).
     info_answered: AtomicBool,
+    /// Whether an `/info` request is under way (one at a time).
+    info_asking: AtomicBool,
 }
 
 impl Default for EngineLoad {
@@ -368,6 +411,7 @@ impl EngineLoad {
             stale_after: AtomicU64::new(0),
             max_concurrent: AtomicU32::new(0),
             info_answered: AtomicBool::new(false),
+            info_asking: AtomicBool::new(false),
         }
     }
 
@@ -450,7 +494,7 @@ impl EngineLoad {
             running: stored.running,
             waiting: stored.waiting,
             kv_usage: (stored.kv_bits != UNSET).then(|| f64::from_bits(stored.kv_bits)),
-            max_concurrent: self.max_concurrent(),
+            max_concurrent: self.stated_capacity(),
             age,
         })
     }
@@ -466,25 +510,44 @@ impl EngineLoad {
         })
     }
 
-    /// Requests the engine takes at once, when it said (TGI's `/info`); never goes stale.
-    pub fn max_concurrent(&self) -> Option<u32> {
+    /// Requests the engine takes at once, when it said (TGI's `/info`), while its scrapes are
+    /// fresh: a stale engine's capacity is read no more than its other values (the router's own
+    /// signals decide), and `/info` is asked again once scrapes come back.
+    pub fn max_concurrent(&self, now: Instant) -> Option<u32> {
+        self.fresh_age(&self.read(), now)?;
+        self.stated_capacity()
+    }
+
+    fn stated_capacity(&self) -> Option<u32> {
         match self.max_concurrent.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n),
         }
     }
 
-    /// Whether `/info` still has to be asked (it has not answered yet).
-    pub fn wants_info(&self) -> bool {
-        !self.info_answered.load(Ordering::Relaxed)
+    /// Whether `/info` still has to be asked: it has not answered yet, or the engine's values
+    /// went stale since (a restarted engine may state another capacity).
+    pub fn wants_info(&self, now: Instant) -> bool {
+        !self.info_answered.load(Ordering::Relaxed) || self.fresh_age(&self.read(), now).is_none()
     }
 
-    /// Notes `/info`'s answer: the capacity it gave, if any. It is not asked again.
+    /// Notes `/info`'s answer: the capacity it gave, if any (none replaces an earlier one). It
+    /// is asked again only once the values went stale.
     pub fn record_info(&self, max_concurrent: Option<u32>) {
-        if let Some(n) = max_concurrent {
-            self.max_concurrent.store(n, Ordering::Relaxed);
-        }
+        self.max_concurrent
+            .store(max_concurrent.unwrap_or(0), Ordering::Relaxed);
         self.info_answered.store(true, Ordering::Relaxed);
+        self.info_asking.store(false, Ordering::Relaxed);
+    }
+
+    /// Claims the one `/info` request under way: `false` when one is already.
+    pub fn start_info(&self) -> bool {
+        !self.info_asking.swap(true, Ordering::Relaxed)
+    }
+
+    /// The `/info` request under way failed or timed out: it may be asked again.
+    pub fn info_not_read(&self) {
+        self.info_asking.store(false, Ordering::Relaxed);
     }
 }
 
@@ -668,11 +731,17 @@ tgi_request_duration_count 1520
 
     #[test]
     fn text_that_is_not_the_exposition_format_is_refused() {
-        assert!(matches!(
+        // No line names a metric read: not read further.
+        assert_eq!(
             parse("<html>502 Bad Gateway</html>", EngineKind::Auto),
+            Err(ParseError::Unrecognised)
+        );
+        assert!(parse("", EngineKind::Auto).is_err());
+        // A line of a metric read that is not the format.
+        assert!(matches!(
+            parse("vllm:num_requests_running{ 3\n", EngineKind::Auto),
             Err(ParseError::Syntax(_))
         ));
-        assert!(parse("", EngineKind::Auto).is_err());
     }
 
     #[test]
@@ -742,14 +811,23 @@ tgi_request_duration_count 1520
         );
     }
 
-    #[test]
-    fn info_is_asked_until_it_answers() {
+    #[tokio::test(start_paused = true)]
+    async fn info_is_asked_until_it_answers_and_read_while_fresh() {
         let load = EngineLoad::new();
-        assert!(load.wants_info());
-        assert_eq!(load.max_concurrent(), None);
+        let stale_after = Duration::from_secs(2);
+        let reading = parse(TGI_TEXT, EngineKind::Tgi).unwrap();
+        load.record(&reading, Instant::now(), stale_after);
+        assert!(load.wants_info(Instant::now()));
+        assert_eq!(load.max_concurrent(Instant::now()), None);
         load.record_info(Some(64));
-        assert!(!load.wants_info());
-        assert_eq!(load.max_concurrent(), Some(64));
+        assert!(!load.wants_info(Instant::now()));
+        assert_eq!(load.max_concurrent(Instant::now()), Some(64));
+        // Stale: the capacity is read no more, and `/info` is wanted again.
+        tokio::time::advance(stale_after + Duration::from_millis(1)).await;
+        assert_eq!(load.max_concurrent(Instant::now()), None);
+        assert!(load.wants_info(Instant::now()));
+        load.record(&reading, Instant::now(), stale_after);
+        assert_eq!(load.max_concurrent(Instant::now()), Some(64));
     }
 
     #[test]

@@ -9,10 +9,12 @@
 //! more; a new one is scraped at the next tick. The first tick is at once, so a router that
 //! starts (or takes over) has every backend's picture within one interval.
 //!
-//! Requests go through the router's upstream client ([`UpstreamClient`], the one proxying and
-//! readmission probes use), as a bodiless `GET` on the backend's keep-alive connections; the
-//! body is read to its end, so the connection goes back to the backend's idle stack. A TGI
-//! backend is also asked `GET /info` until it answers once, for its capacity. Every scrape is
+//! Requests go through the router's upstream client ([`UpstreamClient::get`], as readmission
+//! probes do), as a bodiless `GET` on the backend's keep-alive connections; the body is read to
+//! its end, so the connection goes back to the backend's idle stack. A scrape, the read and the
+//! parse together, is bounded by `engine_metrics.timeout`. A TGI
+//! backend is also asked `GET /info` for its capacity, in a task of its own, until it answers
+//! (and again after its values went stale: a restarted engine may state another). Every scrape is
 //! counted by outcome (`custom_router_engine_scrapes_total`); a failed one leaves the backend's
 //! last values to go stale.
 
@@ -25,16 +27,13 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 use futures_util::stream::FuturesUnordered;
-use http_body_util::{BodyExt as _, Limited};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::backend::Backend;
 use crate::balancer::Balancer;
-use crate::body::UpstreamBody;
 use crate::engine_metrics::{self, Engine, EngineKind, EngineMetricsConfig};
-use crate::forwarding::RequestHead;
 use crate::metrics::ScrapeOutcome;
 use crate::upstream::UpstreamClient;
 
@@ -43,6 +42,9 @@ const MAX_BODY: usize = 8 * 1024 * 1024;
 
 /// Where TGI says how many requests it takes at once.
 const TGI_INFO_PATH: &str = "/info";
+
+/// The largest `/info` answer read (TGI's is about 1 KiB).
+const MAX_INFO_BODY: usize = 64 * 1024;
 
 /// Starts the scraper for `config` on the current runtime, or nothing when `kind` is off. The
 /// task runs until it is aborted.
@@ -114,19 +116,51 @@ fn scrape_until_dropped(
     })
 }
 
-/// Scrapes `backend` once and stores what it said; for TGI, asks `/info` while it has not
-/// answered. Each of the two requests is bounded by the timeout.
+/// Scrapes `backend` once and stores what it said, the read and the parse bounded together by
+/// the timeout; for TGI, has `/info` asked while it has not answered (or the values went stale
+/// since), in a task of its own bounded by the timeout too, so that a slow `/info` never holds
+/// the scrape past its interval.
 pub async fn scrape(
     backend: &Arc<Backend>,
     client: &ArcSwap<UpstreamClient>,
     config: &EngineMetricsConfig,
 ) -> ScrapeOutcome {
-    let timeout = config.timeout();
-    let text = match tokio::time::timeout(timeout, get(backend, client, &config.path)).await {
-        Ok(Ok(text)) => text,
+    let read = tokio::time::timeout(config.timeout(), read(backend, client, config)).await;
+    let reading = match read {
+        Ok(Ok(reading)) => reading,
         Ok(Err(outcome)) => return outcome,
         Err(_) => return ScrapeOutcome::Timeout,
     };
+    // Asked before the new values make the engine fresh again: a stale one is asked anew.
+    let wants_info = backend.engine().wants_info(Instant::now());
+    backend
+        .engine()
+        .record(&reading, Instant::now(), config.stale_after());
+    if reading.engine == Engine::Tgi && wants_info && backend.engine().start_info() {
+        let (backend, client) = (Arc::clone(backend), client.load_full());
+        let timeout = config.timeout();
+        tokio::spawn(async move {
+            let info = client.get(&backend, TGI_INFO_PATH, MAX_INFO_BODY);
+            match tokio::time::timeout(timeout, info).await {
+                Ok(Some((status, body))) if status.is_success() => {
+                    let capacity = engine_metrics::parse_info(&body);
+                    tracing::debug!(backend = %backend.addr(), ?capacity, "TGI /info read");
+                    backend.engine().record_info(capacity);
+                }
+                _ => backend.engine().info_not_read(),
+            }
+        });
+    }
+    ScrapeOutcome::Ok
+}
+
+/// Reads and parses `backend`'s metrics text.
+async fn read(
+    backend: &Arc<Backend>,
+    client: &ArcSwap<UpstreamClient>,
+    config: &EngineMetricsConfig,
+) -> Result<engine_metrics::EngineReading, ScrapeOutcome> {
+    let text = get(backend, client, &config.path).await?;
     // A busy engine's text takes a millisecond or two to parse: off the runtime's threads, so
     // that requests are not held up meanwhile.
     let kind = config.kind;
@@ -135,50 +169,28 @@ pub async fn scrape(
         Err(_) => Err("not UTF-8".to_owned()),
     })
     .await;
-    let reading = match parsed {
-        Ok(Ok(reading)) => reading,
+    match parsed {
+        Ok(Ok(reading)) => Ok(reading),
         Ok(Err(error)) => {
             tracing::debug!(backend = %backend.addr(), %error, "engine metrics not read");
-            return ScrapeOutcome::Invalid;
+            Err(ScrapeOutcome::Invalid)
         }
         Err(error) => {
             tracing::debug!(backend = %backend.addr(), %error, "engine metrics not read");
-            return ScrapeOutcome::Invalid;
-        }
-    };
-    backend
-        .engine()
-        .record(&reading, Instant::now(), config.stale_after());
-    if reading.engine == Engine::Tgi && backend.engine().wants_info() {
-        if let Ok(Ok(info)) =
-            tokio::time::timeout(timeout, get(backend, client, TGI_INFO_PATH)).await
-        {
-            let capacity = engine_metrics::parse_info(&info);
-            tracing::debug!(backend = %backend.addr(), ?capacity, "TGI /info read");
-            backend.engine().record_info(capacity);
+            Err(ScrapeOutcome::Invalid)
         }
     }
-    ScrapeOutcome::Ok
 }
 
-/// The body of a 2xx answer to `GET path`, read whole.
+/// The body of a 2xx answer to `GET path`, read whole (its connection kept for the next).
 async fn get(
     backend: &Arc<Backend>,
     client: &ArcSwap<UpstreamClient>,
     path: &str,
 ) -> Result<Bytes, ScrapeOutcome> {
-    let mut head = RequestHead::probe(path).ok_or(ScrapeOutcome::Failed)?;
     let client = client.load_full();
-    let response = client
-        .send(backend, &mut head, UpstreamBody::full(Bytes::new()), true)
-        .await
-        .map_err(|_| ScrapeOutcome::Failed)?;
-    if !response.status().is_success() {
-        return Err(ScrapeOutcome::Failed);
+    match client.get(backend, path, MAX_BODY).await {
+        Some((status, body)) if status.is_success() => Ok(body),
+        _ => Err(ScrapeOutcome::Failed),
     }
-    let body = Limited::new(response.into_body(), MAX_BODY)
-        .collect()
-        .await
-        .map_err(|_| ScrapeOutcome::Failed)?;
-    Ok(body.to_bytes())
 }

@@ -47,7 +47,14 @@ fn read_seconds<'de, D: Deserializer<'de>>(
             "expected {expected}, found {value}"
         )));
     }
-    Ok(Duration::from_secs_f64(value))
+    let duration = Duration::from_secs_f64(value);
+    // A positive value too small for a nanosecond would be a zero period where none is allowed.
+    if !zero_allowed && duration.is_zero() {
+        return Err(D::Error::custom(format!(
+            "expected at least a nanosecond, found {value} s"
+        )));
+    }
+    Ok(duration)
 }
 
 /// Seconds, more than 0, as a [`Duration`].

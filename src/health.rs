@@ -5,14 +5,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
-use bytes::Bytes;
-
 use crate::backend::Backend;
 use crate::balancer::Probe;
-use crate::body::UpstreamBody;
-use crate::forwarding::RequestHead;
 use crate::upstream::UpstreamClient;
+use arc_swap::ArcSwap;
+
+/// The largest probe answer body read (its connection is kept when it is read to its end; a
+/// larger one fails the probe).
+const PROBE_BODY: usize = 64 * 1024;
 
 /// Probes through the router's current upstream client (replaced on a reload).
 #[derive(Debug)]
@@ -34,14 +34,9 @@ impl Probe for HttpProbe {
         path: &'a str,
     ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
         Box::pin(async move {
-            let Some(mut head) = RequestHead::probe(path) else {
-                return false;
-            };
             let client = self.client.load_full();
-            let answer = client
-                .send(backend, &mut head, UpstreamBody::full(Bytes::new()), true)
-                .await;
-            matches!(&answer, Ok(response) if response.status().is_success())
+            let answer = client.get(backend, path, PROBE_BODY).await;
+            matches!(answer, Some((status, _)) if status.is_success())
         })
     }
 }

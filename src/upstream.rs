@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use futures_util::future::{self, FutureExt as _};
 use http::Response;
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder, ResolveServerName as _};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use rustls::pki_types::CertificateDer;
+use rustls::pki_types::{CertificateDer, ServerName};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, BackendAddr, ErrorKind};
@@ -85,6 +85,40 @@ impl UpstreamClient {
     /// `head`: its headers are copied unless this is the `last` attempt.
     ///
     /// Not an `async fn`: the exchange's own future is returned, not moved into another one.
+    /// A bodiless `GET path` to `backend` (the router's own requests: engine metrics, probes),
+    /// its answer's status and body, read whole up to `max_body` bytes (`None` past that, or
+    /// when the exchange failed). A body read to its end gives its connection back to the
+    /// backend's idle stack, as a proxied answer's does.
+    pub async fn get(
+        &self,
+        backend: &Arc<Backend>,
+        path: &str,
+        max_body: usize,
+    ) -> Option<(http::StatusCode, bytes::Bytes)> {
+        use http_body::Body as _;
+        let mut head = RequestHead::probe(path)?;
+        let empty = UpstreamBody::full(bytes::Bytes::new());
+        let response = self.send(backend, &mut head, empty, true).await.ok()?;
+        let (parts, mut body) = response.into_parts();
+        let mut read = bytes::BytesMut::new();
+        while let Some(frame) =
+            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+        {
+            if let Ok(data) = frame.ok()?.into_data() {
+                if read.len() + data.len() > max_body {
+                    return None;
+                }
+                read.extend_from_slice(&data);
+            }
+        }
+        if let Some(connection) = crate::body::Pooled::take_connection(&mut body) {
+            backend
+                .connections()
+                .put(connection, tokio::time::Instant::now());
+        }
+        Some((parts.status, read.freeze()))
+    }
+
     pub fn send<'a>(
         &'a self,
         backend: &'a Arc<Backend>,
@@ -120,6 +154,7 @@ impl UpstreamClient {
             let connector = HttpsConnectorBuilder::new()
                 .with_tls_config(tls_config(&self.extra_ca_certs))
                 .https_or_http()
+                .with_server_name_resolver(server_name)
                 .enable_http1()
                 .wrap_connector(http_connector(self.config.connect_timeout));
             pooled(Bounded {
@@ -154,6 +189,45 @@ impl UpstreamClient {
             response.headers_mut().remove(http::header::CONTENT_LENGTH);
         }
         Ok(response.map(BackendBody::Right))
+    }
+}
+
+/// The TLS names of the addresses `dns+https://` discovery found ([`name_tls_address`]): such a
+/// backend is reached at its IP address, and its certificate checked (and SNI sent) for the name
+/// that resolved to it, not for the address.
+static TLS_NAMES: std::sync::LazyLock<
+    std::sync::RwLock<std::collections::HashMap<std::net::SocketAddr, ServerName<'static>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// Notes that the `https://` backend at `addr` was found by resolving `name`: its certificate is
+/// checked for `name`. A name that is not a valid TLS server name is not noted.
+pub fn name_tls_address(addr: std::net::SocketAddr, name: &str) {
+    if let Ok(name) = ServerName::try_from(name.to_owned()) {
+        TLS_NAMES
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(addr, name);
+    }
+}
+
+/// The name an `https://` backend's certificate is checked for: the discovered name of its
+/// address ([`name_tls_address`]), else the host of its URI.
+fn server_name(
+    uri: &http::Uri,
+) -> Result<ServerName<'static>, Box<dyn std::error::Error + Send + Sync>> {
+    let discovered = uri
+        .authority()
+        .and_then(|authority| authority.as_str().parse::<std::net::SocketAddr>().ok())
+        .and_then(|addr| {
+            TLS_NAMES
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .get(&addr)
+                .cloned()
+        });
+    match discovered {
+        Some(name) => Ok(name),
+        None => hyper_rustls::DefaultServerNameResolver::default().resolve(uri),
     }
 }
 

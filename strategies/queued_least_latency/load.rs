@@ -552,7 +552,7 @@ impl<'r> Demand<'r> {
             count_share,
             prefill_bound,
             awaiting_bound,
-            now: prompt.map(|_| Instant::now()),
+            now: Some(Instant::now()),
             ceilings: true,
             token_seconds: mean_latency / typical_output,
             fastest: prompt
@@ -643,9 +643,9 @@ impl QueuedLeastLatency {
         }
         // An engine that states its capacity (TGI's `max_concurrent_requests`) is taken at its
         // word.
-        let limit = backend
-            .engine()
-            .max_concurrent()
+        let limit = demand
+            .now
+            .and_then(|now| backend.engine().max_concurrent(now))
             .map_or_else(|| state.map_or(self.initial_limit, |s| s.limit), f64::from);
         let answered = backend
             .strategy_slot::<Slot>()
@@ -774,7 +774,9 @@ impl QueuedLeastLatency {
             let in_flight = backend.in_flight();
             if relative * OVERFLOW_SPEEDUP > chosen_relative
                 || backend.failures_in_a_row() > 0
-                || backend.engine().max_concurrent().is_some()
+                || demand
+                    .now
+                    .is_some_and(|now| backend.engine().max_concurrent(now).is_some())
             {
                 continue;
             }

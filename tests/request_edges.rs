@@ -78,6 +78,23 @@ async fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
     String::from_utf8_lossy(&answer).into_owned()
 }
 
+/// Reads from `reader` until an answer's head has come (or panics past `PATIENCE`): what was
+/// read.
+async fn answer_head(reader: &mut tokio::net::tcp::OwnedReadHalf) -> String {
+    let mut answer = Vec::new();
+    while find(&answer, b"\r\n\r\n").is_none() {
+        let mut chunk = [0u8; 4096];
+        match tokio::time::timeout(PATIENCE, reader.read(&mut chunk)).await {
+            Ok(Ok(read)) if read > 0 => answer.extend_from_slice(&chunk[..read]),
+            other => panic!(
+                "no answer: {other:?} {:?}",
+                String::from_utf8_lossy(&answer)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// The value of the field `name` in `head` (case-insensitive name), if any.
 fn field<'a>(head: &'a str, name: &str) -> Option<&'a str> {
     head.lines().find_map(|line| {
@@ -287,18 +304,7 @@ async fn an_answer_given_before_the_body_is_read_says_the_connection_closes() {
         let _ = writer.write_all(&body).await;
         writer
     });
-    let mut answer = Vec::new();
-    while find(&answer, b"\r\n\r\n").is_none() {
-        let mut chunk = [0u8; 4096];
-        match tokio::time::timeout(PATIENCE, reader.read(&mut chunk)).await {
-            Ok(Ok(read)) if read > 0 => answer.extend_from_slice(&chunk[..read]),
-            other => panic!(
-                "no answer: {other:?} {:?}",
-                String::from_utf8_lossy(&answer)
-            ),
-        }
-    }
-    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let answer = answer_head(&mut reader).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     let _ = upload.await;
     assert!(
@@ -423,18 +429,7 @@ async fn a_backend_refusal_of_an_unread_upload_says_the_connection_closes() {
         let _ = writer.write_all(&body).await;
         writer
     });
-    let mut answer = Vec::new();
-    while find(&answer, b"\r\n\r\n").is_none() {
-        let mut chunk = [0u8; 4096];
-        match tokio::time::timeout(PATIENCE, reader.read(&mut chunk)).await {
-            Ok(Ok(read)) if read > 0 => answer.extend_from_slice(&chunk[..read]),
-            other => panic!(
-                "no answer: {other:?} {:?}",
-                String::from_utf8_lossy(&answer)
-            ),
-        }
-    }
-    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let answer = answer_head(&mut reader).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     // The router ends the connection after the answer (the rest of the upload is never read).
     let mut rest = Vec::new();

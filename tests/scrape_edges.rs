@@ -85,11 +85,8 @@ async fn counting_backend() -> CountingBackend {
     }
 }
 
-/// Scrapes go on a kept-alive connection: the body is read to its end and the connection goes
-/// back to the backend's idle stack, so a scrape costs no new TCP connection.
-#[tokio::test]
-async fn scrapes_reuse_one_keep_alive_connection() {
-    let backend = counting_backend().await;
+/// A round-robin router scraping `backend` as vLLM every 100 ms.
+async fn scraped_router(backend: &CountingBackend) -> common::TestRouter {
     let mut config = round_robin();
     config.engine_metrics.kind = EngineKind::Vllm;
     config.engine_metrics.interval = Duration::from_millis(100);
@@ -97,6 +94,15 @@ async fn scrapes_reuse_one_keep_alive_connection() {
     router
         .balancer
         .set_backends(vec![backend.addr.to_string().parse().unwrap()]);
+    router
+}
+
+/// Scrapes go on a kept-alive connection: the body is read to its end and the connection goes
+/// back to the backend's idle stack, so a scrape costs no new TCP connection.
+#[tokio::test]
+async fn scrapes_reuse_one_keep_alive_connection() {
+    let backend = counting_backend().await;
+    let _router = scraped_router(&backend).await;
     assert!(
         eventually(DEADLINE, async || backend.scrapes.load(Ordering::SeqCst)
             >= 6)
@@ -116,13 +122,7 @@ async fn scrapes_reuse_one_keep_alive_connection() {
 #[tokio::test]
 async fn a_scrape_does_not_close_the_proxys_idle_connection() {
     let backend = counting_backend().await;
-    let mut config = round_robin();
-    config.engine_metrics.kind = EngineKind::Vllm;
-    config.engine_metrics.interval = Duration::from_millis(100);
-    let router = start_router(config).await;
-    router
-        .balancer
-        .set_backends(vec![backend.addr.to_string().parse().unwrap()]);
+    let router = scraped_router(&backend).await;
     // Proxied traffic and scrapes interleaved over several intervals.
     for _ in 0..10 {
         let (status, _) = get(&router.url("/generate")).await;

@@ -128,7 +128,14 @@ async fn run(settings: Settings, config_flag: Option<PathBuf>) -> ExitCode {
         config = %effective,
         "custom-router listening"
     );
-    router.serve(shutdown_signal()).await;
+    // A second SIGTERM or SIGINT during the drain stops at once, as nginx's fast shutdown.
+    let first = std::sync::Arc::new(tokio::sync::Notify::new());
+    tokio::select! {
+        () = router.serve(shutdown_signal(std::sync::Arc::clone(&first))) => {}
+        () = second_signal(first) => {
+            tracing::warn!("second signal: stopping without waiting for open connections");
+        }
+    }
     tracing::info!("stopped");
     ExitCode::SUCCESS
 }
@@ -172,18 +179,40 @@ async fn reload_on_hangup(
     }
 }
 
-async fn shutdown_signal() {
+/// The first SIGTERM or SIGINT (the drain starts); `first` is told.
+async fn shutdown_signal(first: std::sync::Arc<tokio::sync::Notify>) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = match signal(SignalKind::terminate()) {
         Ok(stream) => stream,
         Err(error) => {
             tracing::warn!(%error, "cannot watch SIGTERM; only SIGINT stops the router");
             let _ = tokio::signal::ctrl_c().await;
+            first.notify_one();
             return;
         }
     };
     tokio::select! {
         _ = terminate.recv() => tracing::info!("SIGTERM received"),
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+    first.notify_one();
+}
+
+/// A SIGTERM or SIGINT after the first.
+async fn second_signal(first: std::sync::Arc<tokio::sync::Notify>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    first.notified().await;
+    let terminate = signal(SignalKind::terminate());
+    let terminated = async {
+        match terminate {
+            Ok(mut stream) => {
+                stream.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = terminated => {}
+        _ = tokio::signal::ctrl_c() => {}
     }
 }

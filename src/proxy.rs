@@ -99,16 +99,16 @@ pub fn retry_after_value(value: &[u8]) -> Option<Duration> {
     let text = std::str::from_utf8(value)
         .ok()
         .filter(|text| text.bytes().all(|b| b == b'\t' || (32..127).contains(&b)))?;
+    // Longer pauses are capped by `availability.max_busy_pause` later; a day keeps the arithmetic
+    // safe (a number too large for a `Duration` is a long pause, not a malformed one).
+    const LONGEST: f64 = 86_400.0;
     let seconds = text
         .trim()
         .parse::<f64>()
         .ok()
-        .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok());
-    // Longer pauses are capped by `availability.max_busy_pause` later; a day keeps the arithmetic
-    // safe.
-    Some(seconds.map_or(Duration::from_secs(1), |d| {
-        d.min(Duration::from_secs(86_400))
-    }))
+        .filter(|seconds| seconds.is_finite() && *seconds >= 0.0)
+        .map(|seconds| Duration::from_secs_f64(seconds.min(LONGEST)));
+    Some(seconds.unwrap_or(Duration::from_secs(1)))
 }
 
 fn is_event_stream(content_type: &[u8]) -> bool {

@@ -595,9 +595,15 @@ impl Acceptor {
         let draining = self.draining.subscribe();
         let open = self.open.clone();
         tokio::spawn(async move {
-            // A client that connects and sends nothing does not keep a connection slot.
+            // A client that connects and sends nothing does not keep a connection slot, nor a
+            // drain waiting: it is closed when draining starts.
             let preface = tokio::time::timeout(limits.header_read_timeout, h2_preface(&stream));
-            let Ok(Some(h2)) = preface.await else {
+            let mut drain_started = draining.clone();
+            let preface = tokio::select! {
+                preface = preface => preface,
+                _ = drain_started.wait_for(|draining| *draining) => return,
+            };
+            let Ok(Some(h2)) = preface else {
                 return;
             };
             // Only a connection that opens with the whole HTTP/2 preface is HTTP/2; any other

@@ -186,6 +186,9 @@ impl Balancer {
                     } else {
                         state.ejected_until = None;
                         state.ramp_from = Some(now);
+                        // Failures of requests in flight at the ejection counted on meanwhile:
+                        // a readmitted backend needs a whole run again.
+                        backend.reset_failures_in_a_row();
                         tracing::info!(backend = %backend.addr(), "backend readmitted");
                     }
                 }
@@ -275,6 +278,7 @@ impl Balancer {
             if passed {
                 state.ejected_until = None;
                 state.ramp_from = Some(now);
+                backend.reset_failures_in_a_row();
                 None
             } else {
                 state.ejections += 1;
@@ -284,6 +288,8 @@ impl Balancer {
                     .availability
                     .ejection_length(state.ejections);
                 state.ejected_until = Some(now + length);
+                // The series goes on from this ejection, not from the outage's first.
+                state.last_ejected_at = Some(now);
                 Some(now + length)
             }
         };

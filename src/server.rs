@@ -248,8 +248,11 @@ async fn serve_h2(
     let period = h2::check_period(send_timeout, idle);
     let mut check = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Told GOAWAY (draining or idle): the connection ends once its open streams have.
-    let mut closing = false;
+    // Told GOAWAY (draining or idle) at this time: the connection ends once its open streams
+    // have, and is dropped when none is open `grace` after it (a client that never acks the
+    // GOAWAY's PING, or never takes an answer's last bytes, would hold it forever).
+    let mut closing: Option<tokio::time::Instant> = None;
+    let grace = send_timeout.min(idle);
     loop {
         tokio::select! {
             ended = connection.as_mut() => {
@@ -258,20 +261,35 @@ async fn serve_h2(
                 }
                 return;
             }
-            _ = draining.wait_for(|draining| *draining), if !closing => {
-                closing = true;
+            _ = draining.wait_for(|draining| *draining), if closing.is_none() => {
+                closing = Some(tokio::time::Instant::now());
                 connection.as_mut().graceful_shutdown();
             }
-            _ = check.tick() => match streams.check(send_timeout, idle) {
-                h2::Verdict::Fine => {}
-                h2::Verdict::Idle => {
-                    if !closing {
-                        closing = true;
-                        connection.as_mut().graceful_shutdown();
+            () = streams.overrun() => {
+                tracing::debug!(%peer, "streams went on opening after GOAWAY: connection dropped");
+                return;
+            }
+            () = streams.spent(), if closing.is_none() => {
+                tracing::debug!(%peer, "connection opened its last stream: told GOAWAY");
+                closing = Some(tokio::time::Instant::now());
+                connection.as_mut().graceful_shutdown();
+            }
+            _ = check.tick() => {
+                match streams.check(send_timeout, idle) {
+                    h2::Verdict::Fine => {}
+                    h2::Verdict::Idle => {
+                        if closing.is_none() {
+                            closing = Some(tokio::time::Instant::now());
+                            connection.as_mut().graceful_shutdown();
+                        }
+                    }
+                    h2::Verdict::Stalled => {
+                        tracing::debug!(%peer, "a stream's answer was not taken for send_timeout: connection closed");
+                        return;
                     }
                 }
-                h2::Verdict::Stalled => {
-                    tracing::debug!(%peer, "a stream's answer was not taken for send_timeout: connection closed");
+                if closing.is_some_and(|since| since.elapsed() >= grace) && streams.none_open() {
+                    tracing::debug!(%peer, "told GOAWAY, no stream open, not closed by the client: connection dropped");
                     return;
                 }
             }
@@ -289,8 +307,10 @@ fn h2_as_http1(
 ) -> Result<(), (StatusCode, &'static str)> {
     let bad = |refusal| Err((StatusCode::BAD_REQUEST, refusal));
     let headers = request.headers_mut();
-    // As many fields as the HTTP/1 server takes: the backend reads them as an HTTP/1.1 head.
-    if headers.len() > h1::MAX_HEADERS {
+    // As many fields as the HTTP/1 server takes: the backend reads them as an HTTP/1.1 head,
+    // where the cookie crumbs are one line (joined below).
+    let crumbs = headers.get_all(header::COOKIE).iter().count();
+    if headers.len() - crumbs.saturating_sub(1) > h1::MAX_HEADERS {
         return Err((
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             "too many header fields",

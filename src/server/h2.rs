@@ -9,6 +9,13 @@
 //! - **Idle.** A connection with no stream open for `limits.header_read_timeout` is told GOAWAY
 //!   and closed once the client has seen it, as an idle HTTP/1 keep-alive connection is closed
 //!   after that time.
+//! - **Spent.** A connection that opened [`MAX_STREAMS`] streams is told GOAWAY (its open
+//!   streams finish; the client goes on over a new connection); one that opens as many again
+//!   (it never read the GOAWAY) is dropped.
+//! - **After GOAWAY.** A connection told GOAWAY (idle, or draining) with no stream open is
+//!   dropped once the shorter of the two timeouts has passed, whether or not the client acked
+//!   the GOAWAY's PING or took the last bytes of an answer h2 still buffers: a client that never
+//!   reads does not keep its connection slot, nor a drain waiting.
 //!
 //! The watch is one timer per connection, checking every tenth of the shorter of the two
 //! timeouts; each stream costs a lock to register and a clock read per answer frame.
@@ -34,7 +41,19 @@ pub(super) struct Streams {
     open: Mutex<Vec<Arc<StreamClock>>>,
     /// When a stream last opened or ended.
     last_change_ms: AtomicU64,
+    /// Streams opened so far.
+    opened: AtomicU64,
+    /// Told when [`MAX_STREAMS`] streams have opened.
+    spent: tokio::sync::Notify,
+    /// Told when twice [`MAX_STREAMS`] have: a client that went on opening streams after the
+    /// GOAWAY (it never read it) is dropped.
+    overrun: tokio::sync::Notify,
 }
+
+/// Streams one connection may open before it is told GOAWAY (nginx's `keepalive_requests`,
+/// 1000): a client that opens and resets streams without end (CVE-2023-44487, each one
+/// dispatched to a backend before its reset) starts a new connection every thousand.
+pub(super) const MAX_STREAMS: u64 = 1000;
 
 /// One stream's answer: since when its last frame has waited for the connection to take on.
 #[derive(Debug)]
@@ -59,7 +78,20 @@ impl Streams {
             epoch: Instant::now(),
             open: Mutex::new(Vec::new()),
             last_change_ms: AtomicU64::new(0),
+            opened: AtomicU64::new(0),
+            spent: tokio::sync::Notify::new(),
+            overrun: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Returns once twice [`MAX_STREAMS`] streams have opened: the GOAWAY went unheeded.
+    pub(super) async fn overrun(&self) {
+        self.overrun.notified().await;
+    }
+
+    /// Returns once [`MAX_STREAMS`] streams have opened on the connection.
+    pub(super) async fn spent(&self) {
+        self.spent.notified().await;
     }
 
     fn now_ms(&self) -> u64 {
@@ -68,6 +100,11 @@ impl Streams {
 
     /// A stream opens; it counts as open until the returned guard is dropped.
     pub(super) fn open(self: &Arc<Self>) -> StreamGuard {
+        match self.opened.fetch_add(1, Ordering::Relaxed) + 1 {
+            MAX_STREAMS => self.spent.notify_one(),
+            n if n == 2 * MAX_STREAMS => self.overrun.notify_one(),
+            _ => {}
+        }
         let clock = Arc::new(StreamClock {
             waiting_since_ms: AtomicU64::new(NOT_WAITING),
         });
@@ -103,6 +140,17 @@ impl Streams {
             return Verdict::Idle;
         }
         Verdict::Fine
+    }
+
+    /// Whether no stream is open (the answers of ended ones may still sit in the connection's
+    /// buffers).
+    pub(super) fn none_open(&self) -> bool {
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        open.retain(|clock| Arc::strong_count(clock) > 1);
+        open.is_empty()
     }
 }
 

@@ -4,6 +4,8 @@
 //! sleep. Traffic stays on loopback.
 #![allow(dead_code)]
 
+pub mod h2_frames;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::io::{BufRead, BufReader};

@@ -289,8 +289,9 @@ pub fn parse(text: &str, kind: EngineKind) -> Result<EngineReading, ParseError> 
 /// `# HELP` lines whose name starts with one of them (less a `_total`, so that a counter's
 /// family and its samples both stay).
 fn read_lines(text: &str) -> String {
-    let stems = || {
-        [&VLLM, &SGLANG, &TGI].into_iter().flat_map(|names| {
+    let stems: Vec<&str> = [&VLLM, &SGLANG, &TGI]
+        .into_iter()
+        .flat_map(|names| {
             [
                 names.running,
                 names.waiting,
@@ -302,7 +303,7 @@ fn read_lines(text: &str) -> String {
             .flatten()
             .map(|name| name.trim_end_matches("_total"))
         })
-    };
+        .collect();
     let mut kept = String::new();
     for line in text.lines() {
         let name = match line.strip_prefix('#') {
@@ -312,7 +313,7 @@ fn read_lines(text: &str) -> String {
                 .next()
                 .unwrap_or(""),
         };
-        if !name.is_empty() && stems().any(|stem| name.starts_with(stem)) {
+        if !name.is_empty() && stems.iter().any(|stem| name.starts_with(stem)) {
             kept.push_str(line);
             kept.push('\n');
         }
@@ -514,8 +515,10 @@ impl EngineLoad {
     /// fresh: a stale engine's capacity is read no more than its other values (the router's own
     /// signals decide), and `/info` is asked again once scrapes come back.
     pub fn max_concurrent(&self, now: Instant) -> Option<u32> {
+        // The stated capacity first: without one (no TGI, or metrics off) nothing else is read.
+        let capacity = self.stated_capacity()?;
         self.fresh_age(&self.read(), now)?;
-        self.stated_capacity()
+        Some(capacity)
     }
 
     fn stated_capacity(&self) -> Option<u32> {

@@ -132,10 +132,9 @@ pub async fn scrape(
         Err(_) => return ScrapeOutcome::Timeout,
     };
     // Asked before the new values make the engine fresh again: a stale one is asked anew.
-    let wants_info = backend.engine().wants_info(Instant::now());
-    backend
-        .engine()
-        .record(&reading, Instant::now(), config.stale_after());
+    let now = Instant::now();
+    let wants_info = backend.engine().wants_info(now);
+    backend.engine().record(&reading, now, config.stale_after());
     if reading.engine == Engine::Tgi && wants_info && backend.engine().start_info() {
         let (backend, client) = (Arc::clone(backend), client.load_full());
         let timeout = config.timeout();

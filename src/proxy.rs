@@ -84,7 +84,7 @@ pub struct ProxyPolicy {
 #[derive(Debug)]
 enum Attempt {
     /// The answer for the client (the backend's response, streamed).
-    Answer(Response<ResponseBody>),
+    Answer(Response<ObservedBody>),
     /// The backend said it is busy before anything reached the client.
     Busy,
     /// The attempt failed; the lease has recorded it.
@@ -174,7 +174,7 @@ async fn attempt(
             }
             let mut body = ObservedBody::new(body, lease, status, retry_after);
             body.set_idle_timeout(idle_timeout);
-            Attempt::Answer(Response::from_parts(parts, Either::Left(body)))
+            Attempt::Answer(Response::from_parts(parts, body))
         }
         Err(Failure::RequestBody(failure)) => {
             // Not the backend's doing: dropping the lease releases it with no outcome.
@@ -199,11 +199,7 @@ const X_CUSTOM_ROUTER_QUEUE_MS: HeaderName = HeaderName::from_static("x-custom-r
 
 /// Says which backend answered and how long the request waited before it was dispatched (the
 /// whole time since it was read, retries included).
-fn add_decision_headers(
-    response: &mut Response<ResponseBody>,
-    backend: &BackendAddr,
-    queued: Duration,
-) {
+fn add_decision_headers<B>(response: &mut Response<B>, backend: &BackendAddr, queued: Duration) {
     let headers = response.headers_mut();
     if let Ok(value) = HeaderValue::from_str(backend.as_str()) {
         headers.insert(X_CUSTOM_ROUTER_BACKEND, value);
@@ -412,15 +408,8 @@ pub async fn proxy(
                 if let Some(queued) = queued {
                     add_decision_headers(&mut response, backend.addr(), queued);
                 }
-                let status = response.status().as_u16();
-                match response.body_mut() {
-                    Either::Left(observed) => observed.observe(seen),
-                    Either::Right(full) => {
-                        let bytes = http_body::Body::size_hint(full).exact().unwrap_or(0);
-                        seen.finish(status, bytes, None);
-                    }
-                }
-                return response;
+                response.body_mut().observe(seen);
+                return response.map(Either::Left);
             }
             Attempt::RequestBody(failure) => {
                 return logged(seen, response::body_failure(failure), failure.as_str());

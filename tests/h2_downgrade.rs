@@ -383,17 +383,8 @@ impl H2 {
     /// The next frame: kind, flags, stream and payload; `None` once the connection closed.
     async fn frame(&mut self) -> Option<(u8, u8, u32, Vec<u8>)> {
         loop {
-            if self.read.len() >= 9 {
-                let length = usize::from(self.read[0]) << 16
-                    | usize::from(self.read[1]) << 8
-                    | usize::from(self.read[2]);
-                if self.read.len() >= 9 + length {
-                    let head: Vec<u8> = self.read.drain(..9).collect();
-                    let payload = self.read.drain(..length).collect();
-                    let stream =
-                        u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
-                    return Some((head[3], head[4], stream, payload));
-                }
+            if let Some(frame) = take_frame(&mut self.read) {
+                return Some(frame);
             }
             let mut chunk = [0u8; 16 * 1024];
             match self.stream.read(&mut chunk).await {

@@ -100,24 +100,14 @@ impl H2 {
     /// The next frame (SETTINGS acked, PINGs acked if `ack_pings`); `None` once closed.
     async fn frame(&mut self) -> Option<(u8, u8, u32, Vec<u8>)> {
         loop {
-            if self.read.len() >= 9 {
-                let length = usize::from(self.read[0]) << 16
-                    | usize::from(self.read[1]) << 8
-                    | usize::from(self.read[2]);
-                if self.read.len() >= 9 + length {
-                    let head: Vec<u8> = self.read.drain(..9).collect();
-                    let payload: Vec<u8> = self.read.drain(..length).collect();
-                    let stream =
-                        u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
-                    let (kind, flags) = (head[3], head[4]);
-                    if kind == SETTINGS && flags & ACK == 0 {
-                        self.send(SETTINGS, ACK, 0, &[]).await;
-                    }
-                    if kind == PING && flags & ACK == 0 && self.ack_pings {
-                        self.send(PING, ACK, 0, &payload).await;
-                    }
-                    return Some((kind, flags, stream, payload));
+            if let Some((kind, flags, stream, payload)) = take_frame(&mut self.read) {
+                if kind == SETTINGS && flags & ACK == 0 {
+                    self.send(SETTINGS, ACK, 0, &[]).await;
                 }
+                if kind == PING && flags & ACK == 0 && self.ack_pings {
+                    self.send(PING, ACK, 0, &payload).await;
+                }
+                return Some((kind, flags, stream, payload));
             }
             let mut chunk = [0u8; 16 * 1024];
             match self.stream.read(&mut chunk).await {

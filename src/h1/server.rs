@@ -495,6 +495,25 @@ struct Answered<B> {
     held: Option<Inbound>,
 }
 
+impl<B: Answer> Answered<B> {
+    /// `answer`, its head encoded into `out` as `written` says.
+    fn encoded(
+        out: &mut Vec<u8>,
+        answer: Response<B>,
+        written: Written,
+        held: Option<Inbound>,
+    ) -> Self {
+        let (parts, body) = answer.into_parts();
+        let (framing, close) = encode_response_head(out, &parts, &body, written);
+        Self {
+            body,
+            framing,
+            close,
+            held,
+        }
+    }
+}
+
 /// What a client connection keeps from one request to the next.
 struct ConnectionState {
     /// Where a streamed request body leaves the reading side.
@@ -553,14 +572,7 @@ async fn receive<H: Handler, W: ClientWrite>(
                 http10,
                 close: true,
             };
-            let (parts, body) = answer.into_parts();
-            let (framing, close) = encode_response_head(out, &parts, &body, written);
-            return Some(Answered {
-                body,
-                framing,
-                close,
-                held: None,
-            });
+            return Some(Answered::encoded(out, answer, written, None));
         }
         if writer
             .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -621,14 +633,7 @@ async fn receive<H: Handler, W: ClientWrite>(
         http10,
         close: !keep_alive,
     };
-    let (parts, body) = answer.into_parts();
-    let (framing, close) = encode_response_head(out, &parts, &body, written);
-    Some(Answered {
-        body,
-        framing,
-        close,
-        held,
-    })
+    Some(Answered::encoded(out, answer, written, held))
 }
 
 /// Awaits `answer` while watching the client's connection: `None` if the client closed it

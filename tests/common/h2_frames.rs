@@ -16,6 +16,21 @@ pub const ACK: u8 = 0x1;
 pub const NO_ERROR: u32 = 0x0;
 pub const CANCEL: u32 = 0x8;
 
+/// Takes the first frame off `read` once it has come whole: kind, flags, stream and payload.
+pub fn take_frame(read: &mut Vec<u8>) -> Option<(u8, u8, u32, Vec<u8>)> {
+    if read.len() < 9 {
+        return None;
+    }
+    let length = usize::from(read[0]) << 16 | usize::from(read[1]) << 8 | usize::from(read[2]);
+    if read.len() < 9 + length {
+        return None;
+    }
+    let head: Vec<u8> = read.drain(..9).collect();
+    let payload = read.drain(..length).collect();
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    Some((head[3], head[4], stream, payload))
+}
+
 /// A frame: its 9-byte header, then `payload`.
 pub fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let length = payload.len();

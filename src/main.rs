@@ -119,6 +119,15 @@ async fn run(settings: Settings, config_flag: Option<PathBuf>) -> ExitCode {
             tracing::warn!(%error, "cannot watch SIGHUP; the configuration cannot be reloaded");
         }
     }
+    // SIGTERM and SIGINT are watched before the router says it listens too: a platform that
+    // stops the pod right after start gets the drain, not the signal's default action.
+    let stop = match StopSignals::watch() {
+        Ok(stop) => stop,
+        Err(error) => {
+            tracing::error!(%error, "cannot watch SIGTERM and SIGINT");
+            return ExitCode::FAILURE;
+        }
+    };
     // Serialised through serde so that secrets print redacted.
     let effective = serde_json::to_string(&settings.config).unwrap_or_default();
     tracing::info!(
@@ -130,9 +139,13 @@ async fn run(settings: Settings, config_flag: Option<PathBuf>) -> ExitCode {
     );
     // A second SIGTERM or SIGINT during the drain stops at once, as nginx's fast shutdown.
     let first = std::sync::Arc::new(tokio::sync::Notify::new());
+    let drain = {
+        let first = std::sync::Arc::clone(&first);
+        async move { first.notified().await }
+    };
     tokio::select! {
-        () = router.serve(shutdown_signal(std::sync::Arc::clone(&first))) => {}
-        () = second_signal(first) => {
+        () = router.serve(drain) => {}
+        () = stop.until_second(first) => {
             tracing::warn!("second signal: stopping without waiting for open connections");
         }
     }
@@ -179,40 +192,39 @@ async fn reload_on_hangup(
     }
 }
 
-/// The first SIGTERM or SIGINT (the drain starts); `first` is told.
-async fn shutdown_signal(first: std::sync::Arc<tokio::sync::Notify>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = match signal(SignalKind::terminate()) {
-        Ok(stream) => stream,
-        Err(error) => {
-            tracing::warn!(%error, "cannot watch SIGTERM; only SIGINT stops the router");
-            let _ = tokio::signal::ctrl_c().await;
-            first.notify_one();
-            return;
-        }
-    };
-    tokio::select! {
-        _ = terminate.recv() => tracing::info!("SIGTERM received"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
-    }
-    first.notify_one();
+/// SIGTERM and SIGINT, watched from start-up.
+struct StopSignals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
 }
 
-/// A SIGTERM or SIGINT after the first.
-async fn second_signal(first: std::sync::Arc<tokio::sync::Notify>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    first.notified().await;
-    let terminate = signal(SignalKind::terminate());
-    let terminated = async {
-        match terminate {
-            Ok(mut stream) => {
-                stream.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+impl StopSignals {
+    /// Installs the handlers: from here on either signal is caught, not fatal.
+    fn watch() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The next SIGTERM or SIGINT; `None` once neither can arrive any more.
+    async fn next(&mut self) -> Option<&'static str> {
+        tokio::select! {
+            received = self.terminate.recv() => received.map(|()| "SIGTERM"),
+            received = self.interrupt.recv() => received.map(|()| "SIGINT"),
         }
-    };
-    tokio::select! {
-        () = terminated => {}
-        _ = tokio::signal::ctrl_c() => {}
+    }
+
+    /// Tells `first` at the first signal (the drain starts) and returns at the second.
+    async fn until_second(mut self, first: std::sync::Arc<tokio::sync::Notify>) {
+        match self.next().await {
+            Some(name) => tracing::info!("{name} received"),
+            None => return std::future::pending().await,
+        }
+        first.notify_one();
+        if self.next().await.is_none() {
+            std::future::pending::<()>().await;
+        }
     }
 }

@@ -493,6 +493,7 @@ impl Router {
         builder
             .http2()
             .timer(TokioTimer::new())
+            .max_concurrent_streams(h2::MAX_CONCURRENT_STREAMS)
             .max_header_list_size(
                 u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
             );

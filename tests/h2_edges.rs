@@ -1,6 +1,6 @@
 //! The HTTP/2 (h2c) inbound side at its edges: a window never opened, an answer h2 buffers
 //! that the client never takes, a client that never acks the GOAWAY's PING (idle or at the
-//! drain), rapid reset after dispatch and in one write, and cookie crumbs against the field
+//! drain), rapid reset after dispatch and in one write, the concurrent-stream limit, and cookie crumbs against the field
 //! limit. Raw frames over a loopback socket; every wait is bounded.
 
 mod common;
@@ -386,6 +386,59 @@ async fn rapid_reset_in_one_write_ends_the_connection_with_enhance_your_calm() {
         "{} reached the backend",
         backend.hits()
     );
+}
+
+/// A connection may hold 128 streams open at once (nginx's `http2_max_concurrent_streams`): the
+/// router says so in its SETTINGS, and a 129th concurrent stream is refused with
+/// `REFUSED_STREAM` (safe for the client to retry) without reaching a backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_holds_at_most_128_streams_at_once() {
+    const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+    const REFUSED_STREAM: u32 = 0x7;
+    let backend = mixed_backend().await;
+    let router = router_for(&backend, |_| {}).await;
+    let mut h2 = H2::connect(&router, &[]).await;
+    let (_, _, _, payload) = h2
+        .until(Duration::from_secs(5), |kind, flags, _, _| {
+            kind == SETTINGS && flags & ACK == 0
+        })
+        .await
+        .expect("the router's SETTINGS");
+    let advertised = payload.chunks(6).find_map(|pair| {
+        (u16::from_be_bytes([pair[0], pair[1]]) == SETTINGS_MAX_CONCURRENT_STREAMS)
+            .then(|| u32::from_be_bytes([pair[2], pair[3], pair[4], pair[5]]))
+    });
+    assert_eq!(advertised, Some(128));
+    let mut all = Vec::new();
+    for n in 0..129u32 {
+        all.extend(frame(
+            HEADERS,
+            END_HEADERS | END_STREAM,
+            1 + 2 * n,
+            &get_block("/slow"),
+        ));
+    }
+    h2.stream.write_all(&all).await.unwrap();
+    let last = 1 + 2 * 128;
+    let reset = h2
+        .until(Duration::from_secs(5), |kind, _, stream, _| {
+            kind == RST_STREAM && stream == last
+        })
+        .await
+        .expect("the 129th stream is reset");
+    assert_eq!(
+        u32::from_be_bytes(reset.3[..4].try_into().unwrap()),
+        REFUSED_STREAM
+    );
+    let mut answered = 0;
+    while answered < 128 {
+        let found = h2
+            .until(Duration::from_secs(10), |kind, _, _, _| kind == HEADERS)
+            .await;
+        assert!(found.is_some(), "{answered} of 128 streams answered");
+        answered += 1;
+    }
+    assert_eq!(backend.hits(), 128);
 }
 
 /// Cookies split into crumbs (RFC 9113 §8.2.3) are one field against the field limit: 150

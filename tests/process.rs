@@ -382,6 +382,33 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
     assert_eq!(code, Some(0));
 }
 
+/// Stopping right after start: the signal handlers are installed before the listening line, so
+/// a SIGTERM sent the moment the port is known is a drain (exit 0, logged), never the signal's
+/// default action (death by signal, no exit code).
+#[test]
+fn sigterm_at_the_listening_line_is_a_drain_not_a_kill() {
+    for _ in 0..5 {
+        let mut router = spawn_router_process(&[]);
+        router.terminate();
+        let code = router.wait_exit(Duration::from_secs(10));
+        // The log is read by a thread of its own: give it the last lines.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !router
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.contains("\"stopped\""))
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let log = router.log.lock().unwrap().join("\n");
+        assert_eq!(code, Some(0), "exit status; log:\n{log}");
+        assert!(log.contains("SIGTERM received"), "{log}");
+    }
+}
+
 const SIXTEEN_MIB: usize = 16 * 1024 * 1024;
 
 fn pattern_digest(len: usize) -> Vec<u8> {

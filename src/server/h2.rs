@@ -55,6 +55,11 @@ pub(super) struct Streams {
 /// dispatched to a backend before its reset) starts a new connection every thousand.
 pub(super) const MAX_STREAMS: u64 = 1000;
 
+/// Streams a client may have open at once on one connection (`SETTINGS_MAX_CONCURRENT_STREAMS`,
+/// nginx's `http2_max_concurrent_streams`); one more is refused (`REFUSED_STREAM`, which a
+/// client may retry, RFC 9113 §8.7).
+pub(super) const MAX_CONCURRENT_STREAMS: u32 = 128;
+
 /// One stream's answer: since when its last frame has waited for the connection to take on.
 #[derive(Debug)]
 struct StreamClock {

@@ -663,9 +663,16 @@ impl Settings {
     }
 
     /// The upstream client the `[upstream]` section calls for, with the certificates of its
-    /// `tls_ca_file`.
-    pub fn upstream_client(&self) -> crate::upstream::UpstreamClient {
-        crate::upstream::client(self.config.upstream.clone(), &self.extra_ca_certs)
+    /// `tls_ca_file`, checking `dns+https` backends for the names in `tls_names`.
+    pub fn upstream_client(
+        &self,
+        tls_names: crate::upstream::TlsNames,
+    ) -> crate::upstream::UpstreamClient {
+        crate::upstream::client(
+            self.config.upstream.clone(),
+            &self.extra_ca_certs,
+            tls_names,
+        )
     }
 
     /// The retry budget the `[retry.budget]` section calls for.

@@ -11,16 +11,25 @@
 //! that name's last good addresses, and is logged and counted
 //! (`custom_router_dns_lookup_failures`).
 //!
+//! The names are looked up side by side, each bounded by `dns_refresh`: a lookup not answered
+//! by then counts as failed for that round and is waited for again in the next, never started
+//! twice, so a hung resolver neither delays the other names nor piles up lookups.
+//!
 //! The set is the configured entries in order, each DNS name's addresses sorted. A set-backends
 //! call replaces the whole set, as always, and from then on the admin API owns it: discovery
 //! stops, so the two never overwrite each other.
 
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+use tokio::task::JoinHandle;
+
 use crate::backend::{BackendAddr, canonical_host};
 use crate::balancer::Balancer;
+use crate::upstream::TlsNames;
 
 /// One configured backend entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,13 +105,27 @@ pub fn parse_entries(entries: &[String]) -> Result<Vec<Entry>, String> {
         .collect()
 }
 
+/// Looks a name up: the system resolver, or a stand-in in tests.
+type Resolve = fn(String, u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+
 /// The configured entries and the last good addresses of each DNS name.
 #[derive(Debug)]
 pub struct Discovery {
     entries: Vec<Entry>,
     /// Per entry: the addresses it stands for now (one for a fixed address).
     resolved: Vec<Vec<BackendAddr>>,
+    /// Per entry: a lookup still under way from an earlier round.
+    pending: Vec<Option<JoinHandle<std::io::Result<Vec<SocketAddr>>>>>,
     refresh: Duration,
+    resolve: Resolve,
+}
+
+fn system_resolve(name: String, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+    Box::pin(async move {
+        Ok(tokio::net::lookup_host((name.as_str(), port))
+            .await?
+            .collect())
+    })
 }
 
 impl Discovery {
@@ -115,10 +138,13 @@ impl Discovery {
                 Entry::Dns(_) => Vec::new(),
             })
             .collect();
+        let pending = entries.iter().map(|_| None).collect();
         Self {
             entries,
             resolved,
+            pending,
             refresh,
+            resolve: system_resolve,
         }
     }
 
@@ -140,44 +166,83 @@ impl Discovery {
         self.resolved.iter().flatten().cloned().collect()
     }
 
-    /// Resolves every DNS name once; a failed lookup keeps the name's last good addresses.
-    /// Returns how many lookups failed.
-    pub async fn refresh(&mut self, balancer: &Balancer) -> usize {
-        let mut failures = 0;
-        for (entry, resolved) in self.entries.iter().zip(self.resolved.iter_mut()) {
-            let Entry::Dns(dns) = entry else { continue };
-            match lookup(dns).await {
-                Ok(addrs) => *resolved = addrs,
-                Err(error) => {
-                    failures += 1;
-                    balancer.metrics().dns_lookup_failures.add(1, &[]);
-                    tracing::warn!(
-                        name = dns.name,
-                        %error,
-                        kept = resolved.len(),
-                        "DNS lookup failed; keeping the last good addresses"
-                    );
-                }
+    /// Resolves every DNS name once, side by side, each within `dns_refresh`; a failed or
+    /// unanswered lookup keeps the name's last good addresses. Notes in `tls_names` the name
+    /// each `dns+https` address is checked for. Returns how many lookups failed.
+    pub async fn refresh(&mut self, balancer: &Balancer, tls_names: &TlsNames) -> usize {
+        let deadline = tokio::time::Instant::now() + self.refresh;
+        for (entry, pending) in self.entries.iter().zip(self.pending.iter_mut()) {
+            if let (Entry::Dns(dns), None) = (entry, &pending) {
+                *pending = Some(tokio::spawn((self.resolve)(dns.name.clone(), dns.port)));
             }
         }
+        let mut failures = 0;
+        let rounds = self
+            .entries
+            .iter()
+            .zip(&mut self.resolved)
+            .zip(&mut self.pending);
+        for ((entry, resolved), pending) in rounds {
+            let (Entry::Dns(dns), Some(lookup)) = (entry, pending.as_mut()) else {
+                continue;
+            };
+            let error = match tokio::time::timeout_at(deadline, lookup).await {
+                Ok(Ok(Ok(found))) => {
+                    *pending = None;
+                    *resolved = backends(dns, found);
+                    continue;
+                }
+                Ok(Ok(Err(error))) => error.to_string(),
+                Ok(Err(panicked)) => panicked.to_string(),
+                Err(_) => "no answer within dns_refresh; waited for again next round".to_owned(),
+            };
+            if pending.as_ref().is_some_and(JoinHandle::is_finished) {
+                *pending = None;
+            }
+            failures += 1;
+            balancer.metrics().dns_lookup_failures.add(1, &[]);
+            tracing::warn!(
+                name = dns.name,
+                %error,
+                kept = resolved.len(),
+                "DNS lookup failed; keeping the last good addresses"
+            );
+        }
+        // The names `dns+https` backends are checked for: those of the addresses in the set.
+        tls_names.set(
+            self.entries
+                .iter()
+                .zip(&self.resolved)
+                .flat_map(|(entry, resolved)| {
+                    let name = match entry {
+                        Entry::Dns(dns) if dns.https => Some(dns.name.as_str()),
+                        _ => None,
+                    };
+                    resolved.iter().filter_map(move |addr| {
+                        Some((addr.authority().as_str().parse().ok()?, name?))
+                    })
+                }),
+        );
         failures
     }
 
     /// Resolves every `dns_refresh` and applies each change to `balancer`, until a set-backends
     /// call takes the set over.
-    pub async fn run(mut self, balancer: Arc<Balancer>) {
+    pub async fn run(mut self, balancer: Arc<Balancer>, tls_names: TlsNames) {
         let mut applied = self.addrs();
         let mut ticker = tokio::time::interval(self.refresh);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
             if balancer.backends_set_by_admin() {
+                // Addresses given by set-backends are checked for what they say.
+                tls_names.set([]);
                 tracing::info!(
                     "set-backends replaced the configured backends; DNS discovery stops"
                 );
                 return;
             }
-            self.refresh(&balancer).await;
+            self.refresh(&balancer, &tls_names).await;
             let addrs = self.addrs();
             if addrs == applied {
                 continue;
@@ -192,21 +257,14 @@ impl Discovery {
     }
 }
 
-/// The addresses `dns` resolves to, as backends, sorted and without repeats.
-async fn lookup(dns: &DnsName) -> std::io::Result<Vec<BackendAddr>> {
-    let found = tokio::net::lookup_host((dns.name.as_str(), dns.port)).await?;
+/// The addresses `dns` resolved to, as backends, sorted and without repeats.
+fn backends(dns: &DnsName, found: Vec<SocketAddr>) -> Vec<BackendAddr> {
     let scheme = if dns.https { "https://" } else { "" };
-    let unique: BTreeSet<std::net::SocketAddr> = found.collect();
-    if dns.https {
-        // Reached at its address, checked for the name.
-        for addr in &unique {
-            crate::upstream::name_tls_address(*addr, &dns.name);
-        }
-    }
-    Ok(unique
+    let unique: BTreeSet<SocketAddr> = found.into_iter().collect();
+    unique
         .into_iter()
         .filter_map(|addr| format!("{scheme}{addr}").parse().ok())
-        .collect())
+        .collect()
 }
 
 #[cfg(test)]
@@ -246,5 +304,90 @@ mod tests {
         }
         let error = parse_entries(&["a:1".into(), "dns://x".into()]).unwrap_err();
         assert!(error.starts_with("backends[1]: "), "{error}");
+    }
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static SLOW_LOOKUPS: AtomicUsize = AtomicUsize::new(0);
+
+    /// `fast` answers at once, `slow` after 58 s, `broken` fails.
+    fn stand_in(name: String, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        Box::pin(async move {
+            match name.as_str() {
+                "fast" => Ok(vec![SocketAddr::from(([10, 0, 0, 1], port))]),
+                "slow" => {
+                    SLOW_LOOKUPS.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_secs(58)).await;
+                    Ok(vec![SocketAddr::from(([10, 0, 0, 2], port))])
+                }
+                _ => Err(std::io::Error::other("no such name")),
+            }
+        })
+    }
+
+    fn balancer() -> Arc<Balancer> {
+        crate::config::Settings::from_config(crate::config::Config::default())
+            .unwrap()
+            .balancer()
+            .unwrap()
+    }
+
+    /// A hung lookup costs one `dns_refresh`, not the other names' refresh: the names are looked
+    /// up side by side, the hung one counts as failed for the round and is waited for again in
+    /// the next (not started twice), and its answer is applied when it comes.
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_lookup_neither_delays_the_others_nor_piles_up() {
+        let entries = parse_entries(&[
+            "dns://slow:80".into(),
+            "dns://fast:80".into(),
+            "dns://broken:80".into(),
+        ])
+        .unwrap();
+        let mut discovery = Discovery::new(entries, Duration::from_secs(5));
+        discovery.resolve = stand_in;
+        let balancer = balancer();
+        let names = TlsNames::default();
+        let started = tokio::time::Instant::now();
+        assert_eq!(discovery.refresh(&balancer, &names).await, 2);
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        let addrs: Vec<String> = discovery.addrs().iter().map(|a| a.to_string()).collect();
+        assert_eq!(addrs, ["10.0.0.1:80"]);
+        for _ in 0..11 {
+            discovery.refresh(&balancer, &names).await;
+        }
+        assert_eq!(
+            SLOW_LOOKUPS.load(Ordering::Relaxed),
+            1,
+            "one lookup of the hung name"
+        );
+        let addrs: Vec<String> = discovery.addrs().iter().map(|a| a.to_string()).collect();
+        assert_eq!(addrs, ["10.0.0.2:80", "10.0.0.1:80"]);
+        // Its answer came: the next round starts a new lookup.
+        discovery.refresh(&balancer, &names).await;
+        assert_eq!(SLOW_LOOKUPS.load(Ordering::Relaxed), 2);
+    }
+
+    /// A `dns+https` address is checked for the name that resolved to it while that name still
+    /// resolves to it, and forgotten once it no longer stands for a `dns+https` backend.
+    #[tokio::test(start_paused = true)]
+    async fn tls_names_follow_the_resolved_set() {
+        let balancer = balancer();
+        let names = TlsNames::default();
+        let addr = SocketAddr::from(([10, 0, 0, 1], 443));
+        let mut https = Discovery::new(
+            parse_entries(&["dns+https://fast:443".into()]).unwrap(),
+            Duration::from_secs(1),
+        );
+        https.resolve = stand_in;
+        assert_eq!(https.refresh(&balancer, &names).await, 0);
+        let noted = names.get(addr).map(|name| name.to_str().into_owned());
+        assert_eq!(noted.as_deref(), Some("fast"));
+        let mut plain = Discovery::new(
+            parse_entries(&["dns://fast:443".into()]).unwrap(),
+            Duration::from_secs(1),
+        );
+        plain.resolve = stand_in;
+        plain.refresh(&balancer, &names).await;
+        assert!(names.get(addr).is_none());
     }
 }

@@ -146,7 +146,8 @@ impl Reloader {
         self.shared
             .balancer
             .reconfigure(settings.tuning(), strategy);
-        let client = Arc::new(settings.upstream_client());
+        let names = self.shared.client.load().tls_names().clone();
+        let client = Arc::new(settings.upstream_client(names));
         self.shared.client.store(Arc::clone(&client));
         let policy = policy_of(
             &settings,
@@ -426,7 +427,9 @@ impl Router {
 
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = settings.balancer()?;
-        let client = Arc::new(ArcSwap::from_pointee(settings.upstream_client()));
+        let client = Arc::new(ArcSwap::from_pointee(
+            settings.upstream_client(crate::upstream::TlsNames::default()),
+        ));
         balancer.set_prober(Arc::new(HttpProbe::new(Arc::clone(&client))));
         let retry_budget = Arc::new(settings.retry_budget());
         // Fixed backends are there from the start; DNS names join once `serve` resolves them.
@@ -517,9 +520,10 @@ impl Router {
             config.engine_metrics.clone(),
         );
         let discovery = settings.discovery();
-        let discovery = discovery
-            .has_dns()
-            .then(|| tokio::spawn(discovery.run(Arc::clone(&shared.balancer))));
+        let discovery = discovery.has_dns().then(|| {
+            let names = shared.client.load().tls_names().clone();
+            tokio::spawn(discovery.run(Arc::clone(&shared.balancer), names))
+        });
         acceptor.accept_until(shutdown).await;
         if let Some(discovery) = discovery {
             discovery.abort();

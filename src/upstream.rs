@@ -3,6 +3,7 @@
 //! a failed exchange is told apart (a connect failure, a timeout, an I/O error, or the client's own
 //! request body failing).
 
+use std::collections::HashMap;
 use std::error::Error as _;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -62,6 +63,7 @@ pub struct UpstreamClient {
     https: OnceLock<Client<Bounded<HttpsConnector<HttpConnector>>, UpstreamBody>>,
     config: UpstreamConfig,
     extra_ca_certs: Vec<CertificateDer<'static>>,
+    tls_names: TlsNames,
 }
 
 impl std::fmt::Debug for UpstreamClient {
@@ -78,13 +80,12 @@ impl UpstreamClient {
         &self.config
     }
 
-    /// Sends the request `head` with `body` to `backend`. An `http://` backend gets it over a
-    /// pooled connection ([`crate::pool`]), the head written from `head` as it is (so another
-    /// attempt needs no copy of it); the response body then holds the connection, which goes back
-    /// once the body has been read to its end. An `https://` backend gets a request built from
-    /// `head`: its headers are copied unless this is the `last` attempt.
-    ///
-    /// Not an `async fn`: the exchange's own future is returned, not moved into another one.
+    /// The names `dns+https://` backends are checked for (shared with discovery, and with the
+    /// client a reload builds).
+    pub fn tls_names(&self) -> &TlsNames {
+        &self.tls_names
+    }
+
     /// A bodiless `GET path` to `backend` (the router's own requests: engine metrics, probes),
     /// its answer's status and body, read whole up to `max_body` bytes (`None` past that, or
     /// when the exchange failed). A body read to its end gives its connection back to the
@@ -119,6 +120,13 @@ impl UpstreamClient {
         Some((parts.status, read.freeze()))
     }
 
+    /// Sends the request `head` with `body` to `backend`. An `http://` backend gets it over a
+    /// pooled connection ([`crate::pool`]), the head written from `head` as it is (so another
+    /// attempt needs no copy of it); the response body then holds the connection, which goes back
+    /// once the body has been read to its end. An `https://` backend gets a request built from
+    /// `head`: its headers are copied unless this is the `last` attempt.
+    ///
+    /// Not an `async fn`: the exchange's own future is returned, not moved into another one.
     pub fn send<'a>(
         &'a self,
         backend: &'a Arc<Backend>,
@@ -154,7 +162,10 @@ impl UpstreamClient {
             let connector = HttpsConnectorBuilder::new()
                 .with_tls_config(tls_config(&self.extra_ca_certs))
                 .https_or_http()
-                .with_server_name_resolver(server_name)
+                .with_server_name_resolver({
+                    let names = self.tls_names.clone();
+                    move |uri: &http::Uri| server_name(&names, uri)
+                })
                 .enable_http1()
                 .wrap_connector(http_connector(self.config.connect_timeout));
             pooled(Bounded {
@@ -192,39 +203,47 @@ impl UpstreamClient {
     }
 }
 
-/// The TLS names of the addresses `dns+https://` discovery found ([`name_tls_address`]): such a
-/// backend is reached at its IP address, and its certificate checked (and SNI sent) for the name
-/// that resolved to it, not for the address.
-static TLS_NAMES: std::sync::LazyLock<
-    std::sync::RwLock<std::collections::HashMap<std::net::SocketAddr, ServerName<'static>>>,
-> = std::sync::LazyLock::new(Default::default);
+/// The TLS names of the addresses `dns+https://` discovery found: such a backend is reached at
+/// its IP address, and its certificate checked (and SNI sent) for the name that resolved to it,
+/// not for the address. One per router, shared by its clients and its discovery.
+#[derive(Debug, Clone, Default)]
+pub struct TlsNames(Arc<std::sync::RwLock<HashMap<std::net::SocketAddr, ServerName<'static>>>>);
 
-/// Notes that the `https://` backend at `addr` was found by resolving `name`: its certificate is
-/// checked for `name`. A name that is not a valid TLS server name is not noted.
-pub fn name_tls_address(addr: std::net::SocketAddr, name: &str) {
-    if let Ok(name) = ServerName::try_from(name.to_owned()) {
-        TLS_NAMES
+impl TlsNames {
+    /// The `https://` backends found by resolving a name, with that name. Replaces every earlier
+    /// note, so addresses that left the set are forgotten. A name that is not a valid TLS server
+    /// name is not noted.
+    pub fn set<'a>(&self, found: impl IntoIterator<Item = (std::net::SocketAddr, &'a str)>) {
+        let names: HashMap<_, _> = found
+            .into_iter()
+            .filter_map(|(addr, name)| Some((addr, ServerName::try_from(name.to_owned()).ok()?)))
+            .collect();
+        *self
+            .0
             .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = names;
+    }
+
+    /// The name noted for `addr`.
+    pub fn get(&self, addr: std::net::SocketAddr) -> Option<ServerName<'static>> {
+        self.0
+            .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(addr, name);
+            .get(&addr)
+            .cloned()
     }
 }
 
 /// The name an `https://` backend's certificate is checked for: the discovered name of its
-/// address ([`name_tls_address`]), else the host of its URI.
+/// address ([`TlsNames`]), else the host of its URI.
 fn server_name(
+    names: &TlsNames,
     uri: &http::Uri,
 ) -> Result<ServerName<'static>, Box<dyn std::error::Error + Send + Sync>> {
     let discovered = uri
         .authority()
-        .and_then(|authority| authority.as_str().parse::<std::net::SocketAddr>().ok())
-        .and_then(|addr| {
-            TLS_NAMES
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .get(&addr)
-                .cloned()
-        });
+        .and_then(|authority| authority.as_str().parse().ok())
+        .and_then(|addr| names.get(addr));
     match discovered {
         Some(name) => Ok(name),
         None => hyper_rustls::DefaultServerNameResolver::default().resolve(uri),
@@ -458,11 +477,13 @@ where
 pub fn client(
     config: UpstreamConfig,
     extra_ca_certs: &[CertificateDer<'static>],
+    tls_names: TlsNames,
 ) -> UpstreamClient {
     UpstreamClient {
         https: OnceLock::new(),
         config,
         extra_ca_certs: extra_ca_certs.to_vec(),
+        tls_names,
     }
 }
 

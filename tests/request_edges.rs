@@ -293,7 +293,7 @@ async fn a_client_that_leaves_before_the_answer_still_gets_an_access_log_line() 
 async fn an_answer_given_before_the_body_is_read_says_the_connection_closes() {
     let router = start_router(round_robin()).await;
     let mut stream = TcpStream::connect(router.addr).await.unwrap();
-    let body = vec![b'x'; 2_000_000];
+    let body = smuggled_requests(2_000_000);
     let head = format!(
         "POST /_custom_router/set-backends HTTP/1.1\r\nHost: r\r\nContent-Length: {}\r\n\r\n",
         body.len()
@@ -306,11 +306,34 @@ async fn an_answer_given_before_the_body_is_read_says_the_connection_closes() {
     });
     let answer = answer_head(&mut reader).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
-    let _ = upload.await;
     assert!(
         field(&answer, "connection").is_some_and(|value| value.eq_ignore_ascii_case("close")),
         "the router closes this connection after the answer but does not say so: {answer}"
     );
+    // And it does: nothing of the unread body is read as a request of its own.
+    assert_no_second_answer(&mut reader).await;
+    upload.abort();
+}
+
+/// A body made of whole requests (`GET /smuggled`), `len` bytes or a little more: read as the
+/// connection's next requests, each would get an answer.
+fn smuggled_requests(len: usize) -> Vec<u8> {
+    let one = b"GET /smuggled HTTP/1.1\r\nHost: r\r\n\r\n";
+    one.iter()
+        .copied()
+        .cycle()
+        .take(len.div_ceil(one.len()) * one.len())
+        .collect()
+}
+
+/// Reads what is left of the connection's answer to its end: the connection ends within
+/// [`PATIENCE`] and holds no second answer.
+async fn assert_no_second_answer(reader: &mut tokio::net::tcp::OwnedReadHalf) {
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(PATIENCE, reader.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "the connection stays open");
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(!rest.contains("HTTP/1.1 "), "a second answer: {rest}");
 }
 
 /// W3C Trace Context §3.2.2.1: `version` is 2 HEXDIGLC; a `traceparent` whose version is not
@@ -419,7 +442,7 @@ async fn a_backend_refusal_of_an_unread_upload_says_the_connection_closes() {
     set_backends(router.addr, &[backend]).await;
     let stream = TcpStream::connect(router.addr).await.unwrap();
     let (mut reader, mut writer) = stream.into_split();
-    let body = vec![b'x'; 4_000_000];
+    let body = smuggled_requests(4_000_000);
     let upload = tokio::spawn(async move {
         let head = format!(
             "POST /v1/audio HTTP/1.1\r\nHost: r\r\nContent-Length: {}\r\n\r\n",
@@ -431,15 +454,14 @@ async fn a_backend_refusal_of_an_unread_upload_says_the_connection_closes() {
     });
     let answer = answer_head(&mut reader).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
-    // The router ends the connection after the answer (the rest of the upload is never read).
-    let mut rest = Vec::new();
-    let ended = tokio::time::timeout(PATIENCE, reader.read_to_end(&mut rest)).await;
-    upload.abort();
-    assert!(ended.is_ok(), "the connection stays open");
     assert!(
         field(&answer, "connection").is_some_and(|value| value.eq_ignore_ascii_case("close")),
         "the router closed this connection after the answer but did not say so: {answer}"
     );
+    // The router ends the connection after the answer; the rest of the upload (whole requests)
+    // is never read as requests.
+    assert_no_second_answer(&mut reader).await;
+    upload.abort();
 }
 
 /// A request whose body will be read gets its `100 Continue`, admin and proxied alike.

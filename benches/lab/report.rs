@@ -364,8 +364,8 @@ pub fn aggregate(
     let (capacity_rps, offered_rps, replicas, concurrencies, reports_overload) =
         match &scenario.kind {
             Kind::Routing(routing) => (
-                routing.capacity(),
-                routing.rate(),
+                routing.capacity_as_run(mode),
+                routing.rate_as_run(mode),
                 routing.replicas.iter().map(|r| r.name.clone()).collect(),
                 Vec::new(),
                 routing.reports_overload,

@@ -855,6 +855,17 @@ impl Routing {
         )
     }
 
+    /// [`Routing::capacity`] of the replicas as run in `mode` (a compressed scenario's replicas
+    /// run faster in quick and smoke modes), what a run's goodput is set against.
+    pub fn capacity_as_run(&self, mode: Mode) -> Option<f64> {
+        Some(self.capacity()? * self.time_compression(mode))
+    }
+
+    /// [`Routing::rate`] as run in `mode` (a compressed scenario's arrivals come faster).
+    pub fn rate_as_run(&self, mode: Mode) -> Option<f64> {
+        Some(self.rate()? * self.time_compression(mode))
+    }
+
     /// The offered arrival rate, for Poisson traffic (of the class sent alone, when one is).
     pub fn rate(&self) -> Option<f64> {
         let Traffic::Poisson(poisson) = &self.traffic else {
@@ -1298,7 +1309,7 @@ async fn run_routing(
         samples.add_metrics(&mut metrics);
     }
     if routing.reports_overload {
-        if let Some(capacity) = routing.capacity() {
+        if let Some(capacity) = routing.capacity_as_run(context.mode) {
             add_overload_metrics(&mut metrics, &records, capacity);
         }
     }

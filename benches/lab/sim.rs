@@ -8,12 +8,13 @@
 //! - The prompt is read from the body ([`prompt`]: chat `messages`, `prompt` or TGI `inputs`,
 //!   about 4 characters a token). With a prefix cache (`prefix_cache_tokens` > 0), the leading
 //!   blocks of the prompt that the replica computed recently are not prefilled again
-//!   ([`prefix_cache`]).
+//!   ([`prefix_cache`]); a running request's blocks are pinned there until it ends.
 //! - `max_tokens` is read from the JSON request body (`max_tokens`, or TGI's
 //!   `parameters.max_new_tokens`), else `default_max_tokens`.
-//! - [`Batching::PerRequest`] (the default): a request that holds a slot pays a prefill (the
-//!   time to first token) of `(prefill_ms + prefill_per_token_ms × uncached prompt tokens) /
-//!   speed`, then decodes `max_tokens` tokens. Each decode step takes `(step_ms +
+//! - [`Batching::PerRequest`] (the default): a request that holds a slot pays a prefill of
+//!   `(prefill_ms + prefill_per_token_ms × uncached prompt tokens) / speed`, then decodes
+//!   `max_tokens` tokens, one a step: the first token comes at the end of the first step (the
+//!   time to first token is the prefill plus one step). Each decode step takes `(step_ms +
 //!   step_per_batch_ms × batch) / speed`, where `batch` is the number of requests holding a slot
 //!   at that step, so a fuller batch decodes each token more slowly. Steps are scheduled against
 //!   deadlines (`previous deadline + step`), so the timer's millisecond resolution does not
@@ -315,7 +316,7 @@ struct SimState {
     slots: Arc<Semaphore>,
     /// KV cache tokens, when limited.
     kv: Option<Arc<Semaphore>>,
-    cache: Mutex<PrefixCache>,
+    cache: Arc<Mutex<PrefixCache>>,
     /// The engine loop's inbox (stepped batching).
     engine: Option<mpsc::UnboundedSender<engine::Job>>,
     stats: Arc<SimStats>,
@@ -341,10 +342,10 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         kv: config
             .kv_capacity_tokens
             .map(|tokens| Arc::new(Semaphore::new(kv_permits(tokens)))),
-        cache: Mutex::new(PrefixCache::new(
+        cache: Arc::new(Mutex::new(PrefixCache::new(
             config.prefix_cache_tokens,
             config.block_tokens,
-        )),
+        ))),
         engine,
         stats: Arc::clone(&stats),
         rng: Mutex::new(fastrand::Rng::with_seed(config.seed)),
@@ -515,6 +516,10 @@ struct Admission {
     uncached_tokens: u64,
     /// The hash chain of the prompt's full blocks (empty without a prefix cache).
     chain: Vec<u64>,
+    /// The prefix cache, and how many leading blocks of `chain` the request holds pinned there
+    /// while it runs (those found at admission, then all once its prefill stored them).
+    cache: Arc<Mutex<PrefixCache>>,
+    pinned: AtomicUsize,
 }
 
 impl Drop for Admission {
@@ -523,6 +528,13 @@ impl Drop for Admission {
         self.stats
             .kv_reserved_tokens
             .fetch_sub(self.reserved_tokens, Ordering::SeqCst);
+        let pinned = *self.pinned.get_mut();
+        if pinned > 0 {
+            self.cache
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .unpin(&self.chain[..pinned]);
+        }
     }
 }
 
@@ -567,18 +579,20 @@ impl SimState {
         let tokens = prompt.tokens().max(1);
         stats.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
         let mut cache = self.cache.lock().expect("prefix cache lock");
-        let (chain, cached) = if cache.is_enabled() {
+        let (chain, cached, held) = if cache.is_enabled() {
             let chain = prompt.block_hashes(self.config.block_tokens);
-            let held = cache.lookup(&chain) as u64;
+            let held = cache.lookup(&chain);
+            cache.pin(&chain[..held]);
+            let held = held as u64;
             // At least the last prompt token is computed, to yield the first output token.
             let cached = (held * u64::from(self.config.block_tokens)).min(tokens - 1);
             stats
                 .prefix_queried_tokens
                 .fetch_add(tokens, Ordering::Relaxed);
             stats.prefix_hit_tokens.fetch_add(cached, Ordering::Relaxed);
-            (chain, cached)
+            (chain, cached, held as usize)
         } else {
-            (Vec::new(), 0)
+            (Vec::new(), 0, 0)
         };
         Admission {
             stats: Arc::clone(stats),
@@ -586,6 +600,8 @@ impl SimState {
             reserved_tokens,
             uncached_tokens: tokens - cached,
             chain,
+            cache: Arc::clone(&self.cache),
+            pinned: AtomicUsize::new(held),
         }
     }
 
@@ -597,7 +613,11 @@ impl SimState {
             return;
         }
         if generated == 0 {
-            cache.insert(&admission.chain);
+            // The prefill stored the whole prompt; the request holds it while it runs.
+            let pinned = admission
+                .pinned
+                .swap(admission.chain.len(), Ordering::Relaxed);
+            cache.insert_pinned(&admission.chain, pinned);
         } else {
             let block_tokens = self.config.block_tokens;
             cache.insert(&prompt.chain_with_answer(&admission.chain, generated, block_tokens));

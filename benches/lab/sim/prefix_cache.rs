@@ -5,6 +5,11 @@
 //! ends it, as in vLLM: a block is only usable after every block before it). Looking a chain up
 //! or storing it marks its blocks used, the first block most recently, so that when a chain is
 //! evicted its last blocks go first and no block outlives the blocks it follows.
+//!
+//! The blocks of a running request are pinned ([`PrefixCache::pin`] to
+//! [`PrefixCache::unpin`]): as in vLLM, whose blocks in use have a reference count, they are
+//! never evicted while it runs, and another request can find them. Only unpinned blocks count
+//! towards eviction order; pinned ones may hold the cache above its capacity for a while.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -12,11 +17,19 @@ use std::collections::{BTreeMap, HashMap};
 #[derive(Debug)]
 pub struct PrefixCache {
     capacity_blocks: usize,
-    /// Hash → the tick of its last use.
-    blocks: HashMap<u64, u64>,
-    /// Tick → hash, oldest first.
+    /// Hash → its block.
+    blocks: HashMap<u64, Block>,
+    /// Tick → hash of the blocks no running request holds, oldest first: the eviction order.
     by_age: BTreeMap<u64, u64>,
     clock: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    /// The tick of its last use.
+    tick: u64,
+    /// Running requests holding it.
+    pins: u32,
 }
 
 impl PrefixCache {
@@ -56,12 +69,56 @@ impl PrefixCache {
         held
     }
 
-    /// Stores `chain` (marked used), evicting the least recently used blocks beyond capacity.
+    /// Stores `chain` (marked used), evicting the least recently used unpinned blocks beyond
+    /// capacity.
     pub fn insert(&mut self, chain: &[u64]) {
         if !self.is_enabled() {
             return;
         }
         self.touch(chain);
+        self.evict();
+    }
+
+    /// Stores `chain` as [`PrefixCache::insert`] does, pinning its blocks from `from` on before
+    /// anything is evicted (a running request's prompt, stored by its prefill).
+    pub fn insert_pinned(&mut self, chain: &[u64], from: usize) {
+        if !self.is_enabled() {
+            return;
+        }
+        self.touch(chain);
+        self.pin(&chain[from.min(chain.len())..]);
+        self.evict();
+    }
+
+    /// A running request holds the blocks of `chain` (all in the cache: found by
+    /// [`PrefixCache::lookup`] or stored by [`PrefixCache::insert_pinned`]): they are not
+    /// evicted until as many [`PrefixCache::unpin`] calls.
+    pub fn pin(&mut self, chain: &[u64]) {
+        for hash in chain {
+            if let Some(block) = self.blocks.get_mut(hash) {
+                if block.pins == 0 {
+                    self.by_age.remove(&block.tick);
+                }
+                block.pins += 1;
+            }
+        }
+    }
+
+    /// Lets go of blocks [`PrefixCache::pin`] held; a block no request holds any more may be
+    /// evicted again.
+    pub fn unpin(&mut self, chain: &[u64]) {
+        for hash in chain {
+            if let Some(block) = self.blocks.get_mut(hash) {
+                block.pins = block.pins.saturating_sub(1);
+                if block.pins == 0 {
+                    self.by_age.insert(block.tick, *hash);
+                }
+            }
+        }
+        self.evict();
+    }
+
+    fn evict(&mut self) {
         while self.blocks.len() > self.capacity_blocks {
             let Some((_, hash)) = self.by_age.pop_first() else {
                 break;
@@ -75,10 +132,12 @@ impl PrefixCache {
         let newest = self.clock + chain.len() as u64;
         for (depth, hash) in chain.iter().enumerate() {
             let tick = newest - depth as u64;
-            if let Some(old) = self.blocks.insert(*hash, tick) {
-                self.by_age.remove(&old);
+            let block = self.blocks.entry(*hash).or_insert(Block { tick, pins: 0 });
+            if block.pins == 0 {
+                self.by_age.remove(&block.tick);
+                self.by_age.insert(tick, *hash);
             }
-            self.by_age.insert(tick, *hash);
+            block.tick = tick;
         }
         self.clock = newest;
     }

@@ -1,0 +1,284 @@
+//! The benchmark lab's simulator and measurements held to what docs/benchmarks.md ("The
+//! simulated replica", "Scenarios") says of them: the time to first token of per-request
+//! batching, a running request's prefix blocks pinned in the replica's cache, goodput set
+//! against the capacity of the replicas as run, open-loop arrivals, nearest-rank percentiles and
+//! goodput counting only successes.
+
+#[path = "../benches/lab/mod.rs"]
+mod lab;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use lab::Mode;
+use lab::load::{self, Outgoing, Record};
+use lab::scenarios::{self, Kind, Routing, Traffic};
+use lab::sim::{self, Batching, SimConfig, SimStats};
+
+fn completion(prompt: &str, max_tokens: u32) -> Outgoing {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true});
+    Outgoing {
+        path: "/v1/completions".to_owned(),
+        body: body.to_string().into(),
+        headers: Vec::new(),
+        max_tokens,
+        stream: true,
+        prompt_tokens: sim::prompt::Prompt::of_body(&body).tokens(),
+    }
+}
+
+async fn send_to(addr: std::net::SocketAddr, request: &Outgoing) -> Record {
+    let client = load::http_client();
+    load::send(&client, addr, request, 0.0, Duration::from_secs(30)).await
+}
+
+fn spawn_send(addr: std::net::SocketAddr, request: Outgoing) -> tokio::task::JoinHandle<Record> {
+    tokio::spawn(async move { send_to(addr, &request).await })
+}
+
+async fn wait_until(condition: impl Fn() -> bool) {
+    for _ in 0..2000 {
+        if condition() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("condition not reached within 4 s");
+}
+
+fn routing(name: &str) -> Routing {
+    let scenario = scenarios::all()
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap();
+    match scenario.kind {
+        Kind::Routing(routing) => *routing,
+        Kind::Overhead(_) => panic!("{name} is not a routing scenario"),
+    }
+}
+
+// --- Per-request batching: the documented time to first token. ---
+
+/// Per-request batching: the prefill, then one decode step per token, the first token at the end
+/// of the first step (time to first token = prefill + one step).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_request_first_token_comes_after_the_prefill_and_one_step() {
+    let config = SimConfig {
+        name: "p".into(),
+        slots: 4,
+        prefill_ms: 100.0,
+        step_ms: 60.0,
+        step_per_batch_ms: 0.0,
+        ..SimConfig::default()
+    };
+    let replica = sim::spawn(config).await.unwrap();
+    let record = send_to(replica.addr, &completion("abcd", 3)).await;
+    assert!(record.is_success(), "{record:?}");
+    // 0.100 s of prefill and a 60 ms step, plus a few ms of I/O.
+    assert!(
+        (0.155..0.200).contains(&record.ttfb),
+        "time to first token {:.3} s, documented prefill + one step 0.160 s",
+        record.ttfb
+    );
+}
+
+// --- Prefix cache: the blocks of a running request. ---
+
+/// A running request's blocks are in use (in vLLM they are its KV cache and cannot be evicted):
+/// a second request with the same prompt, sent while the first still decodes, finds the whole
+/// prefix, whatever else passed through the cache meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_requests_prefix_blocks_are_not_evicted_while_it_runs() {
+    let config = SimConfig {
+        name: "pc".into(),
+        slots: 8,
+        prefill_ms: 0.0,
+        step_ms: 1.0,
+        step_per_batch_ms: 0.0,
+        prefill_per_token_ms: 0.01,
+        // 62 blocks of 16 tokens.
+        prefix_cache_tokens: 1_000,
+        block_tokens: 16,
+        batching: Batching::Stepped {
+            token_budget: 2_048,
+        },
+        ..SimConfig::default()
+    };
+    let replica = sim::spawn(config).await.unwrap();
+    let stats = std::sync::Arc::clone(&replica.stats);
+    // 800 tokens = 50 full blocks each.
+    let prompt_a = "a".repeat(3_200);
+    let prompt_b = "b".repeat(3_200);
+    // A: decodes 1,500 tokens (about 1.5 s).
+    let a = spawn_send(replica.addr, completion(&prompt_a, 1_500));
+    wait_until(|| SimStats::get(&stats.generated_tokens) >= 5).await;
+    // B: another 50 blocks, finished at once; the cache (62 blocks) cannot hold both prompts.
+    let b = send_to(replica.addr, &completion(&prompt_b, 1)).await;
+    assert!(b.is_success());
+    assert_eq!(stats.decoding.load(Ordering::SeqCst), 1, "A still runs");
+    let hits_before = SimStats::get(&stats.prefix_hit_tokens);
+    // C: A's prompt while A still runs.
+    let c = send_to(replica.addr, &completion(&prompt_a, 1)).await;
+    assert!(c.is_success());
+    assert_eq!(stats.decoding.load(Ordering::SeqCst), 1, "A still runs");
+    let c_hits = SimStats::get(&stats.prefix_hit_tokens) - hits_before;
+    a.abort();
+    assert_eq!(
+        c_hits, 799,
+        "C found {c_hits} of its 800 prompt tokens although A, running, holds them all"
+    );
+}
+
+/// The cache's accounting: pinned blocks are skipped by eviction (the cache may exceed its
+/// capacity while they do), a block pinned twice stays pinned until both let go, and a block
+/// let go is evicted in its turn again.
+#[test]
+fn pinned_blocks_are_evicted_only_once_every_holder_let_go() {
+    use lab::sim::prefix_cache::PrefixCache;
+    // 4 blocks of 16 tokens.
+    let mut cache = PrefixCache::new(64, 16);
+    cache.insert_pinned(&[1, 2, 3], 0);
+    cache.pin(&[1]);
+    cache.insert(&[4, 5, 6]);
+    // 6 and 5 (the chain's last blocks, unpinned) went; the pinned chain stayed.
+    assert_eq!(cache.len(), 4);
+    assert_eq!(cache.lookup(&[1, 2, 3]), 3);
+    assert_eq!(cache.lookup(&[4, 5, 6]), 1);
+    // Pinned blocks beyond capacity: held until let go.
+    cache.insert_pinned(&[7, 8, 9, 10], 0);
+    assert_eq!(cache.len(), 7);
+    cache.unpin(&[7, 8, 9, 10]);
+    assert_eq!(cache.len(), 4, "let go: back to capacity");
+    cache.unpin(&[1, 2, 3]);
+    // Block 1 is still held once; 2 and 3 may go.
+    cache.insert(&[11, 12, 13]);
+    assert_eq!(cache.lookup(&[1]), 1);
+    assert_eq!(cache.lookup(&[1, 2, 3]), 1);
+    cache.unpin(&[1]);
+    cache.insert(&[14, 15, 16, 17]);
+    assert_eq!(
+        cache.lookup(&[1]),
+        0,
+        "let go by both holders: evicted in its turn"
+    );
+}
+
+// --- The overload columns of a compressed (engine-scale Poisson) scenario. ---
+
+/// `goodput_pct_of_capacity` divides the run's goodput by `Routing::capacity()`. In quick and
+/// smoke modes a compressed scenario's replicas run 4 (50) times faster and its arrivals come
+/// 4 (50) times as fast, so the capacity it is judged against must be the replicas' as run:
+/// offered load over capacity must stay the scenario's load fraction.
+#[test]
+fn goodput_share_of_capacity_uses_the_capacity_of_the_replicas_as_run() {
+    for name in ["priority-engine", "noisy-tenant-engine"] {
+        let routing = routing(name);
+        let Traffic::Poisson(poisson) = &routing.traffic else {
+            panic!("{name} is Poisson traffic")
+        };
+        assert!(
+            routing.reports_overload,
+            "{name} reports goodput % of capacity"
+        );
+        for mode in [Mode::Default, Mode::Quick, Mode::Smoke] {
+            let mean = poisson.lengths.mean();
+            let as_run: f64 = (0..routing.replicas.len())
+                .map(|index| routing.sim_config(index, 1, mode).capacity(mean))
+                .sum();
+            let offered = routing.open_loop(mode, 1).unwrap().rate;
+            let used = routing.capacity_as_run(mode).unwrap();
+            // A run whose goodput equals the replicas' capacity (as run) should read 100 %.
+            let reported_pct = 100.0 * as_run / used;
+            assert!(
+                (reported_pct - 100.0).abs() < 1e-6,
+                "{name} in {mode:?}: replicas serve {as_run:.1} req/s, offered {offered:.1} req/s, \
+                 but goodput is divided by {used:.1} req/s: a run at full capacity reads \
+                 {reported_pct:.0} % of capacity"
+            );
+        }
+    }
+}
+
+// --- The load generator and the report. ---
+
+/// Open loop: a target that never answers does not delay the later sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_sends_on_schedule_even_when_the_target_never_answers() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            held.push(stream);
+        }
+    });
+    let schedule: Vec<load::Planned> = (0..20)
+        .map(|i| load::Planned {
+            at: Duration::from_millis(10 * i),
+            max_tokens: 4,
+            stream: true,
+            class: None,
+            headers: Vec::new(),
+        })
+        .collect();
+    let records = load::run_open_loop(addr, schedule, Duration::from_millis(400), None).await;
+    holder.abort();
+    assert_eq!(records.len(), 20);
+    for (i, record) in records.iter().enumerate() {
+        assert_eq!(record.error, Some("timeout"));
+        assert!(
+            (record.sent_at - 0.010 * i as f64).abs() < 0.02,
+            "request {i} sent at {:.3}",
+            record.sent_at
+        );
+    }
+}
+
+/// Nearest-rank percentiles: the p99 of 100 sorted samples is the 99th, of 1,000 the 990th.
+#[test]
+fn percentiles_are_nearest_rank() {
+    use lab::report::{median, percentile};
+    let values: Vec<f64> = (1..=100).map(f64::from).collect();
+    assert_eq!(percentile(&values, 0.99), Some(99.0));
+    assert_eq!(percentile(&values, 0.50), Some(50.0));
+    let values: Vec<f64> = (1..=1000).map(f64::from).collect();
+    assert_eq!(percentile(&values, 0.99), Some(990.0));
+    assert_eq!(percentile(&[3.0], 0.99), Some(3.0));
+    assert_eq!(median(&mut [3.0, 1.0, 2.0, 10.0]), Some(2.5));
+}
+
+/// Refused and failed requests never count in the SLO; a success counts once.
+#[test]
+fn slo_goodput_counts_only_successes_once() {
+    use lab::report::{Slo, summarize};
+    let slo = Slo {
+        ttft_seconds: 1.0,
+        ttft_seconds_per_prompt_token: 0.0,
+        tpot_seconds: 0.0,
+    };
+    let record = |status: u16, complete: bool| Record {
+        sent_at: 0.0,
+        latency: 0.01,
+        ttfb: 0.005,
+        status,
+        complete,
+        replica: Some("r1".into()),
+        error: None,
+        max_tokens: 1,
+        stream: true,
+        prompt_tokens: 8,
+        class: None,
+    };
+    let records = vec![
+        record(200, true),
+        record(200, false),
+        record(429, true),
+        record(503, true),
+        record(500, true),
+    ];
+    let metrics = summarize(&records, &["r1".to_owned()], &slo);
+    assert_eq!(metrics["slo_pct"], 20.0);
+    assert_eq!(metrics["refused_pct"], 40.0);
+    assert_eq!(metrics["error_pct"], 80.0);
+}

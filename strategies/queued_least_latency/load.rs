@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::QueuedLeastLatency;
 use crate::backend::Backend;
+use crate::engine_metrics::EngineSnapshot;
 use crate::prompt::Prompt;
 use crate::strategies::{Candidates, FirstByte, Outcome, RequestInfo, next_generation};
 
@@ -422,6 +423,21 @@ const OVERFLOW_SPEEDUP: f64 = 1.5;
 /// answer runs soon enough anywhere.
 const OVERFLOW_LENGTH: f64 = 1.2;
 
+/// KV-cache usage from which an engine is taken as full ([`engine_ahead`]).
+pub(super) const KV_FULL: f64 = 0.95;
+
+/// What an engine's own numbers add ahead of a newcomer, in typical requests: those waiting in
+/// its queue (from this router or any other: the engine is full), those it runs for other
+/// clients (`running` beyond the router's `in_flight`: a new leader's first picture of work it
+/// did not send), and one more when its KV cache is full (at least [`KV_FULL`]): a new
+/// sequence starts only when one ends.
+pub(super) fn engine_ahead(engine: &EngineSnapshot, in_flight: usize) -> f64 {
+    let own = u32::try_from(in_flight).unwrap_or(u32::MAX);
+    let others = engine.running.saturating_sub(own);
+    let full = engine.kv_usage.is_some_and(|usage| usage >= KV_FULL);
+    f64::from(engine.waiting) + f64::from(others) + if full { 1.0 } else { 0.0 }
+}
+
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
 /// before the first-byte guard passes it over: the prefills of a step or two are not a queue.
 const AWAITING_SLACK: f64 = 8.0;
@@ -639,7 +655,13 @@ impl QueuedLeastLatency {
         }
         let state = backend.strategy_slot::<Slot>().rank(generation);
         if !Self::measured(backend, state) {
-            return (in_flight == 0).then_some(0.0);
+            // One at a time until measured; the engine's own numbers still tell busy from idle
+            // (a router that just became the leader has measured nothing).
+            if in_flight > 0 {
+                return None;
+            }
+            let engine = demand.now.and_then(|now| backend.engine().snapshot(now));
+            return Some(engine.map_or(0.0, |engine| engine_ahead(&engine, 0) * demand.unit));
         }
         // An engine that states its capacity (TGI's `max_concurrent_requests`) is taken at its
         // word.
@@ -702,9 +724,8 @@ impl QueuedLeastLatency {
         }
         let work = held + demand.output;
         let mut load = relative * work / demand.typical_output * demand.unit;
-        // Requests waiting inside the engine (from this router or any other) are work ahead too.
         if let Some(engine) = demand.now.and_then(|now| backend.engine().snapshot(now)) {
-            load += f64::from(engine.waiting) * demand.unit;
+            load += engine_ahead(&engine, in_flight) * demand.unit;
         }
         if demand.prompt_tokens == 0 {
             return Some(load);
@@ -871,9 +892,15 @@ impl QueuedLeastLatency {
         });
     }
 
-    /// Folds a stream's first byte into `backend`'s prefill rate, fixed delay and limit.
+    /// Folds a stream's first byte into `backend`'s prefill rate, fixed delay and limit. While
+    /// the engine's own numbers say requests wait inside it, the limit does not grow: the
+    /// engine is full, whatever the first bytes say.
     pub(super) fn learn_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
         let busy = backend.in_flight() as f64;
+        let engine_full = backend
+            .engine()
+            .snapshot(Instant::now())
+            .is_some_and(|engine| engine.waiting > 0);
         let slot = backend.strategy_slot::<Slot>();
         let _ = slot
             .answered
@@ -884,7 +911,11 @@ impl QueuedLeastLatency {
         // for a slot: however late, its first byte says nothing new about the limit.
         self.update(backend, |learned, _| {
             if first_byte.streamed && !first_byte.past_limit {
+                let limit = learned.limit;
                 self.learn_ttfb(learned, first_byte, busy);
+                if engine_full {
+                    learned.limit = learned.limit.min(limit);
+                }
             }
         });
     }

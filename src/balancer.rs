@@ -48,7 +48,8 @@ use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, RequestInfo
 pub enum Rejection {
     /// The strategy had no backend and does not queue (e.g. round-robin with an empty set).
     NoBackend,
-    /// The queue was full and this was the oldest waiting request.
+    /// The queue was full: this was the oldest request of the tenant holding the most in the
+    /// lowest band, or a newcomer from a band lower than every queued one.
     Evicted,
     /// The request waited `queue.timeout` in the queue.
     Timeout,
@@ -59,7 +60,8 @@ pub enum Rejection {
     /// The request's answer would not start before its deadline (at the queue's measured
     /// dispatch rate and the fleet's time to first byte)
     /// (or the queue held `queue.shed_ratio` times the requests in flight); the value is the
-    /// predicted wait, in whole seconds (at least 1).
+    /// predicted start (with `queue.shed_ratio`, the queue's drain time), in whole seconds (at
+    /// least 1).
     Overloaded(u32),
 }
 
@@ -68,7 +70,7 @@ impl Rejection {
     pub fn message(self) -> &'static str {
         match self {
             Rejection::NoBackend => "no backend available",
-            Rejection::Evicted => "router queue full: the oldest waiting request was evicted",
+            Rejection::Evicted => "router queue full: this request gave way to others",
             Rejection::Timeout => "request timed out waiting in the router queue",
             Rejection::ShuttingDown => "router is shutting down",
             Rejection::Busy => "every backend that could take the request is busy",
@@ -91,7 +93,8 @@ impl Rejection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
-    /// Requests the queue holds; when full the oldest is evicted. Also caps each backend's
+    /// Requests the queue holds; when full, one request gives way (see [`Rejection::Evicted`]).
+    /// Also caps each backend's
     /// completed count ([`QueueConfig::completed_cap`]).
     pub max_size: usize,
     /// How long a request may wait in the queue.

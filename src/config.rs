@@ -110,7 +110,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar {
         name: "CUSTOM_ROUTER_QUEUE_MAX_SIZE",
         key: "queue.max_size",
-        help: "requests held in the router queue; when full the oldest is answered 503",
+        help: "requests held in the router queue; when full, the oldest of the largest tenant in the lowest band is answered 503",
     },
     EnvVar {
         name: "CUSTOM_ROUTER_QUEUE_TIMEOUT",

@@ -133,7 +133,8 @@ async fn the_limit_grows_while_ttfb_stays_near_its_baseline_and_shrinks_when_it_
     let balancer = balancer();
     let backends = with_backends(&balancer, &["a:1"]);
     // Rounds of as many streams as the limit allows, each with a quick first byte: the limit
-    // grows past its initial 4 (slow start: one more per first byte while it is in use).
+    // grows past its initial 4 (slow start: two more per on-time first byte while at least half
+    // of it is in use, so it doubles every round).
     let probe = admit_now(&balancer).await;
     stream_answer(
         probe,

@@ -9,7 +9,7 @@
 //!   request wait (an aged request going before every higher one would hand the whole queue
 //!   to the lower band as soon as its waits pass the aging time).
 //! - **Tenants.** With `queue.tenant_header` set, a band serves its tenants in fair shares of
-//!   cost (start-time fair queueing): a request's tag is its tenant's last tag, or the band's
+//!   cost (fair queueing on virtual finish tags): a request's tag is its tenant's last tag, or the band's
 //!   virtual time if later, plus its cost (prompt tokens + expected output tokens); the
 //!   smallest tag goes first (of equal tags, the one queued first). A tenant sending ten times
 //!   as much waits behind itself, not in front of the others; an idle tenant banks no credit.

@@ -129,10 +129,13 @@ pub fn refusal(
             StatusCode::METHOD_NOT_ALLOWED,
             &format!("method {method} not allowed; use {allowed}"),
         );
-        answer.headers_mut().insert(
-            ALLOW,
-            HeaderValue::from_str(allowed.as_str()).expect("a method is a valid header value"),
-        );
+        // HEAD is served where GET is (RFC 9110 §10.2.1: `Allow` lists what the resource takes).
+        let allow = if allowed == Method::GET {
+            HeaderValue::from_static("GET, HEAD")
+        } else {
+            HeaderValue::from_str(allowed.as_str()).expect("a method is a valid header value")
+        };
+        answer.headers_mut().insert(ALLOW, allow);
         return Some(answer);
     }
     if path == SET_BACKENDS {

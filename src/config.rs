@@ -708,6 +708,15 @@ pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
         }
         figment = figment.merge(Toml::file_exact(path));
     }
+    // A variable that is set but not UTF-8 would be skipped: an admin token, say, silently off.
+    if let Some(var) = ENV_VARS.iter().find(|v| {
+        matches!(
+            std::env::var(v.name),
+            Err(std::env::VarError::NotUnicode(_))
+        )
+    }) {
+        return Err(ConfigError::new(var.name, "the value is not valid UTF-8"));
+    }
     figment = figment.merge(env_provider());
     let config: Config = figment
         .extract()
@@ -752,6 +761,24 @@ fn env_provider() -> impl figment::Provider {
             .map_or_else(|| name.into(), |v| v.key.into())
     });
     let mut figment = Figment::from(parsed);
+    // A number in exponent form (`1e3`) is read as the file reads it; figment's own reading of
+    // the environment takes it for a string.
+    for var in ENV_VARS.iter().filter(|v| !TEXT_KEYS.contains(&v.key)) {
+        let Ok(value) = std::env::var(var.name) else {
+            continue;
+        };
+        let value = value.trim();
+        if value.contains(['e', 'E'])
+            && value.starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '+' || c == '.')
+        {
+            if let Ok(number) = value.parse::<f64>() {
+                figment = figment.merge(
+                    figment::providers::Serialized::default(var.key, number)
+                        .profile(figment::Profile::Default),
+                );
+            }
+        }
+    }
     for var in ENV_VARS.iter().filter(|v| TEXT_KEYS.contains(&v.key)) {
         if let Ok(value) = std::env::var(var.name) {
             figment = figment.merge(
@@ -946,11 +973,15 @@ fn validate(config: &Config, locate: &dyn Fn(&str) -> String) -> Result<(), Conf
             ));
         }
     }
-    if config.admin.token.as_deref().is_some_and(str::is_empty) {
-        return Err(ConfigError::new(
-            locate("admin.token"),
-            "expected a non-empty token",
-        ));
+    if let Some(token) = config.admin.token.as_deref() {
+        // What a client can send after `Bearer ` (the header is read as visible ASCII, trimmed):
+        // a token with a space, a line break or a non-ASCII character would refuse every call.
+        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::new(
+                locate("admin.token"),
+                "expected a non-empty token of visible ASCII characters (no spaces or line breaks)",
+            ));
+        }
     }
     crate::discovery::parse_entries(&config.backends)
         .map_err(|message| ConfigError::new(locate("backends"), message))?;

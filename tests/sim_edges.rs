@@ -282,3 +282,52 @@ fn slo_goodput_counts_only_successes_once() {
     assert_eq!(metrics["refused_pct"], 40.0);
     assert_eq!(metrics["error_pct"], 80.0);
 }
+
+/// The most of `prefix`'s prompt tokens any routing can find cached: every request sent to one
+/// replica with a cache that never evicts, in the order the users send them (each user's turns
+/// in turn, users by start; answers stored with their prompt). The first sight of each tenant's
+/// prompt and every new question are misses whatever the routing. Prints the ceiling per seed
+/// (`cargo test --test sim_edges -- --ignored --nocapture prefix_cache_hit_ceiling`).
+#[test]
+#[ignore = "a measurement for docs/benchmarks.md, not a check"]
+fn prefix_cache_hit_ceiling() {
+    use lab::sim::prefix_cache::PrefixCache;
+    use lab::sim::prompt::Prompt;
+    use lab::workload::Scale;
+    let routing = routing("prefix");
+    let Traffic::Users(workload) = &routing.traffic else {
+        panic!("prefix is a users workload")
+    };
+    let block_tokens = routing.engine.block_tokens;
+    for seed in 1..=3 {
+        let users = workload.users(seed, Scale::FULL);
+        let mut sends: Vec<(Duration, usize, usize)> = Vec::new();
+        for (user, turns) in users.iter().enumerate() {
+            let mut at = turns.start;
+            for (index, turn) in turns.turns.iter().enumerate() {
+                if index > 0 {
+                    at += turn.think;
+                }
+                sends.push((at, user, index));
+            }
+        }
+        sends.sort();
+        let mut cache = PrefixCache::new(u64::MAX / 2, block_tokens);
+        let (mut queried, mut hit) = (0u64, 0u64);
+        for (_, user, index) in sends {
+            let request = &users[user].turns[index].request;
+            let body: serde_json::Value = serde_json::from_slice(&request.body).unwrap();
+            let prompt = Prompt::of_body(&body);
+            let tokens = prompt.tokens().max(1);
+            let chain = prompt.block_hashes(block_tokens);
+            let held = cache.lookup(&chain) as u64;
+            queried += tokens;
+            hit += (held * u64::from(block_tokens)).min(tokens - 1);
+            cache.insert(&prompt.chain_with_answer(&chain, request.max_tokens, block_tokens));
+        }
+        println!(
+            "prefix seed {seed}: {queried} prompt tokens, at most {:.1} % found cached",
+            100.0 * hit as f64 / queried as f64
+        );
+    }
+}

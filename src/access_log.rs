@@ -23,8 +23,9 @@
 //! response's end; `band` its priority band; `prompt_tokens` the prompt's tokens as the router
 //! counted them and `uncached_tokens` those past the longest prefix the router's index holds for
 //! the last attempt's backend (both `null` when the strategy read no prompt); `reason` the
-//! refusal reason of a 503 the router wrote (`no_backend`, `overloaded`, ...) or the failure kind
-//! of a 502/504; `trace_id` the W3C trace id when the request carried a `traceparent` or traces
+//! refusal reason of a 503 the router wrote (`no_backend`, `overloaded`, ...), the failure kind
+//! of a 502/504, or `invalid_request` for a head the HTTP/1 server refused itself (400, 431,
+//! 501, ...: then `method` and `path` are empty); `trace_id` the W3C trace id when the request carried a `traceparent` or traces
 //! are on.
 
 use std::io::Write;
@@ -177,6 +178,17 @@ impl Pending {
                 trace_id,
             },
         }
+    }
+
+    /// A request refused before it was read whole (a malformed or oversized head): its method
+    /// and path are not known, and are logged empty.
+    pub fn refused(log: &AccessLog) -> Self {
+        Self::new(log, &http::Method::GET, "", None).unknown_method()
+    }
+
+    fn unknown_method(mut self) -> Self {
+        self.record.method.clear();
+        self
     }
 
     /// What the router read of the request: its priority band's name and, when a prompt was

@@ -986,6 +986,18 @@ impl Lease {
         // Otherwise dropping releases the in-flight count and lets the queue move.
     }
 
+    /// The client left before the answer's end (`status`: the answer's, when its head came):
+    /// the backend's response is counted (its status class, the time so far), but nothing is
+    /// learned from it: the strategy and availability see no sample. Dropping releases the
+    /// backend.
+    pub fn client_left(self, status: Option<http::StatusCode>) {
+        if let Some(status) = status {
+            self.backend.record_status(status);
+        }
+        let elapsed = self.dispatched_at.elapsed().as_secs_f64();
+        self.balancer.metrics.request_duration.record(elapsed, &[]);
+    }
+
     fn release_locked(mut self) {
         self.backend
             .release_work(&self.work, self.first_byte.is_none());

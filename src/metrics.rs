@@ -142,6 +142,12 @@ pub type Snapshot = ArcSwap<Vec<Arc<Backend>>>;
 /// The values of the `band` attribute of the queue's instruments.
 const BANDS: [&str; 3] = ["high", "normal", "low"];
 
+/// Series an instrument keeps before the SDK folds new ones into an overflow series: room for
+/// the per-backend series (5 a backend in `backend_responses_total` and `upstream_errors_total`:
+/// a `class` or `kind` each) of 4,096 backends, four times the most set-backends takes. Every
+/// label value is bounded (a backend, a band, a class), so this is a ceiling, not a budget.
+const SERIES_LIMIT: usize = 20_480;
+
 /// The router's instruments and the registry they are exported from.
 pub struct Metrics {
     registry: prometheus::Registry,
@@ -203,7 +209,17 @@ impl Metrics {
             .without_units()
             .build()
             .map_err(|e| MetricsError(e.to_string()))?;
-        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+        // Every instrument keeps its series up to SERIES_LIMIT (the SDK's default, 2,000, would
+        // fold the per-backend series of more than 400 backends into one overflow series).
+        let provider = SdkMeterProvider::builder()
+            .with_reader(exporter)
+            .with_view(|_: &opentelemetry_sdk::metrics::Instrument| {
+                opentelemetry_sdk::metrics::Stream::builder()
+                    .with_cardinality_limit(SERIES_LIMIT)
+                    .build()
+                    .ok()
+            })
+            .build();
         let meter = provider.meter("custom-router");
         register_observers(&meter, backends, queue_depth);
 

@@ -96,10 +96,13 @@ impl Drop for Observation {
 
 impl Drop for ObservedBody {
     fn drop(&mut self) {
-        // Dropped before its end: the client left mid-response, so no sample is recorded and
-        // the lease's own drop releases the backend.
+        // Dropped before its end: the client left mid-response. The backend's answer is counted
+        // (its status class, its duration so far) but no sample goes to the strategy, and the
+        // lease's own drop releases the backend.
         if self.inner.is_end_stream() {
             finish_at_end(&mut self.lease, &mut self.inner, self.outcome);
+        } else if let Some(lease) = self.lease.take() {
+            lease.client_left(self.outcome.status);
         }
         self.write_log();
     }

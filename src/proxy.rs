@@ -343,7 +343,7 @@ pub async fn proxy(
                         logged(seen, failure_response(*kind, backend.addr()), kind.as_str())
                     }
                     None => {
-                        balancer.metrics().rejected.add(1, &[]);
+                        // Every backend tried answered busy: not a refusal of the router's.
                         let reason = response::reason(Rejection::Busy);
                         logged(seen, response::rejection(Rejection::Busy), reason)
                     }

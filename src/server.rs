@@ -762,6 +762,16 @@ impl h1::server::Handler for Routes {
         )
     }
 
+    fn refused(&self, status: StatusCode, _message: &'static str) {
+        if let Some(log) = self.shared.policy.load().access_log.as_ref() {
+            crate::access_log::Pending::refused(log).finish(
+                status.as_u16(),
+                0,
+                Some("invalid_request"),
+            );
+        }
+    }
+
     fn refuse_unread(
         &self,
         request: &Request<()>,

@@ -218,6 +218,10 @@ pub trait Handler {
     ) -> Option<Response<Self::Body>> {
         None
     }
+
+    /// A request the server refused itself, before any handler saw it (a malformed or
+    /// oversized head), answered `status` with `message` and closed: for the access log.
+    fn refused(&self, _status: StatusCode, _message: &'static str) {}
 }
 
 /// A response body, and the field lines it carries when it relays a plain-HTTP backend's answer
@@ -547,6 +551,7 @@ async fn receive<H: Handler, W: ClientWrite>(
         Ok(head) => head,
         Err(Refusal::Quiet) => return None,
         Err(Refusal::Answer(status, message)) => {
+            handler.refused(status, message);
             refusal(out, status, message);
             let _ = writer.write_all(out).await;
             return None;

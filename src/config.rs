@@ -747,6 +747,12 @@ const TEXT_KEYS: &[&str] = &[
     "admin.token",
 ];
 
+/// A number read from the environment in exponent form; its type's name tells an error's
+/// location (the variable, not the file key).
+#[derive(Serialize)]
+#[serde(transparent)]
+struct EnvironmentNumber(f64);
+
 fn env_provider() -> impl figment::Provider {
     let names: Vec<String> = ENV_VARS
         .iter()
@@ -773,7 +779,7 @@ fn env_provider() -> impl figment::Provider {
         {
             if let Ok(number) = value.parse::<f64>() {
                 figment = figment.merge(
-                    figment::providers::Serialized::default(var.key, number)
+                    figment::providers::Serialized::default(var.key, EnvironmentNumber(number))
                         .profile(figment::Profile::Default),
                 );
             }
@@ -806,10 +812,10 @@ fn key_location(key: &str, file: Option<&Path>) -> String {
 
 fn describe_figment_error(error: &figment::Error, file: Option<&Path>) -> ConfigError {
     let key = error.path.join(".");
-    let from_env = error
-        .metadata
-        .as_ref()
-        .is_some_and(|m| m.name.contains("environment"));
+    let from_env = error.metadata.as_ref().is_some_and(|m| {
+        m.name.contains("environment")
+            || m.name.ends_with(std::any::type_name::<EnvironmentNumber>())
+    });
     // A value given as a table where a word was expected (`{a=1}` for an enum) fails below its
     // key (`log_format.a`): the variable is the one whose key the path starts with.
     let env_var = ENV_VARS

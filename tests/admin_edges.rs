@@ -107,24 +107,6 @@ fn set_backends_request(authorization: Option<&[u8]>, body: &str) -> Vec<u8> {
     request
 }
 
-async fn post_with_token(
-    addr: std::net::SocketAddr,
-    body: &str,
-    token: Option<&str>,
-) -> (StatusCode, Value) {
-    let mut request = Request::post(format!("http://{addr}/_custom_router/set-backends"))
-        .header("content-type", "application/json");
-    if let Some(token) = token {
-        request = request.header("authorization", format!("Bearer {token}"));
-    }
-    let (status, _, body) = send(request.body(full(body.to_owned())).unwrap()).await;
-    let text = String::from_utf8_lossy(&body).into_owned();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
 async fn health_backends(addr: std::net::SocketAddr) -> Value {
     get_json(&format!("http://{addr}/_custom_router/health"))
         .await
@@ -519,7 +501,7 @@ async fn an_unread_refused_body_is_not_a_second_request() {
 }
 
 async fn set_backends_with(addr: std::net::SocketAddr, backend: &str, token: &str) {
-    let (status, answer) = post_with_token(
+    let (status, answer) = post_set_backends(
         addr,
         &json!({ "backends": [backend] }).to_string(),
         Some(token),
@@ -769,11 +751,11 @@ async fn reload_keeps_or_swaps_the_admin_settings() {
     );
     let body = json!({ "backends": [backend.host_port()] }).to_string();
     assert_eq!(
-        post_with_token(router.addr, &body, Some("two")).await.0,
+        post_set_backends(router.addr, &body, Some("two")).await.0,
         StatusCode::UNAUTHORIZED
     );
     assert_eq!(
-        post_with_token(router.addr, &body, Some("one")).await.0,
+        post_set_backends(router.addr, &body, Some("one")).await.0,
         StatusCode::OK
     );
     std::fs::write(
@@ -784,10 +766,10 @@ async fn reload_keeps_or_swaps_the_admin_settings() {
     hangup();
     assert!(eventually(Duration::from_secs(5), async || reloads("ok").await == 1.0).await);
     assert_eq!(
-        post_with_token(router.addr, &body, Some("one")).await.0,
+        post_set_backends(router.addr, &body, Some("one")).await.0,
         StatusCode::UNAUTHORIZED
     );
-    let (status, answer) = post_with_token(router.addr, &body, Some("two")).await;
+    let (status, answer) = post_set_backends(router.addr, &body, Some("two")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
     assert!(
         answer["error"].as_str().unwrap().contains("outside"),
@@ -799,7 +781,7 @@ async fn reload_keeps_or_swaps_the_admin_settings() {
         (StatusCode::OK, "done".to_owned())
     );
     assert_eq!(
-        post_with_token(router.addr, r#"{"backends":["10.0.0.1:80"]}"#, Some("two"))
+        post_set_backends(router.addr, r#"{"backends":["10.0.0.1:80"]}"#, Some("two"))
             .await
             .0,
         StatusCode::OK

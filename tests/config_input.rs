@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use custom_router::Router;
 use custom_router::config::Settings;
-use http::{Request, StatusCode};
+use http::StatusCode;
 use serde_json::Value;
 
 const PATIENCE: Duration = Duration::from_secs(10);
@@ -48,24 +48,6 @@ fn assert_config_error(env: &[(&str, &str)], names: &str) {
         err.contains(names),
         "{env:?}: the line should name {names}: {err}"
     );
-}
-
-async fn post_set_backends(
-    addr: std::net::SocketAddr,
-    body: &str,
-    token: Option<&str>,
-) -> (StatusCode, Value) {
-    let mut request = Request::post(format!("http://{addr}/_custom_router/set-backends"))
-        .header("content-type", "application/json");
-    if let Some(token) = token {
-        request = request.header("authorization", format!("Bearer {token}"));
-    }
-    let (status, _, body) = send(request.body(full(body.to_owned())).unwrap()).await;
-    let text = String::from_utf8_lossy(&body).into_owned();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
 }
 
 async fn health(addr: std::net::SocketAddr) -> Value {

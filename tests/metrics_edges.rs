@@ -165,11 +165,7 @@ async fn a_503_busy_after_a_busy_answer_is_not_counted_as_rejected() {
 #[tokio::test]
 async fn a_request_refused_by_the_http1_server_is_logged() {
     let backend = named_backend("ok").await;
-    let router = spawn_router_process(&[
-        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
-        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
-        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
-    ]);
+    let router = logged_router(&backend.host_port(), &[]);
     let answer = raw(
         router.addr,
         b"GET /a\x01b HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
@@ -569,11 +565,7 @@ async fn raw(addr: std::net::SocketAddr, request: &[u8]) -> String {
 #[tokio::test]
 async fn access_log_escapes_client_text() {
     let backend = named_backend("ok").await;
-    let router = spawn_router_process(&[
-        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
-        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
-        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
-    ]);
+    let router = logged_router(&backend.host_port(), &[]);
     let path = "/a\"b\",\"status\":1%22%5Cc%0A%0D'|~!$&()*+,;=:@?x=%22";
     let request = format!(
         "X-CUSTOM!#$%&'*+.^_`|~ {path} HTTP/1.1\r\nhost: x\r\nx-priority: \"high\r\n\
@@ -603,12 +595,10 @@ async fn access_log_escapes_client_text() {
 #[tokio::test]
 async fn access_log_one_line_per_request_on_every_path() {
     let (streaming, _open) = streaming_backend().await;
-    let router = spawn_router_process(&[
-        ("CUSTOM_ROUTER_BACKENDS", &streaming.host_port()),
-        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
-        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
-        ("CUSTOM_ROUTER_MAX_ATTEMPTS", "1"),
-    ]);
+    let router = logged_router(
+        &streaming.host_port(),
+        &[("CUSTOM_ROUTER_MAX_ATTEMPTS", "1")],
+    );
     let url = |path: &str| format!("http://{}{path}", router.addr);
     // Mid-stream departure (held while the next request is made).
     let response = client()

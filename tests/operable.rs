@@ -122,11 +122,7 @@ async fn access_log_lines(router: &ChildRouter, count: usize) -> Vec<Value> {
 #[tokio::test]
 async fn the_access_log_has_one_json_line_per_finished_request() {
     let backend = named_backend("logged").await;
-    let router = spawn_router_process(&[
-        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
-        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
-        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
-    ]);
+    let router = logged_router(&backend.host_port(), &[]);
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let request = http::Request::post(format!("http://{}/v1/chat?x=1", router.addr))
         .header("traceparent", traceparent)

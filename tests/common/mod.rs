@@ -530,6 +530,37 @@ pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
     }
 }
 
+/// The router binary with round-robin over `backend`, its access log on stdout, and `extra`.
+pub fn logged_router(backend: &str, extra: &[(&str, &str)]) -> ChildRouter {
+    let mut env = vec![
+        ("CUSTOM_ROUTER_BACKENDS", backend),
+        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
+        ("CUSTOM_ROUTER_STRATEGY", "round-robin"),
+    ];
+    env.extend_from_slice(extra);
+    spawn_router_process(&env)
+}
+
+/// `POST /_custom_router/set-backends` with `body` (and `Authorization: Bearer token`): the
+/// status and the answer as JSON (as text when it is not JSON).
+pub async fn post_set_backends(
+    addr: SocketAddr,
+    body: &str,
+    token: Option<&str>,
+) -> (StatusCode, serde_json::Value) {
+    let mut request = Request::post(format!("http://{addr}/_custom_router/set-backends"))
+        .header("content-type", "application/json");
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let (status, _, body) = send(request.body(full(body.to_owned())).unwrap()).await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+    )
+}
+
 /// The metrics text of a fresh balancer with every family present: one backend with a latency
 /// sample, one sample in each histogram.
 pub fn rendered_metrics() -> String {

@@ -457,10 +457,12 @@ fn observe(
         None => Fields::Map(request.headers()),
     };
     let traceparent = view.get("traceparent");
-    let path = request
-        .uri()
-        .path_and_query()
-        .map_or("/", |path| path.as_str());
+    // A CONNECT's target is an authority (`host:port`), which is what it asks for.
+    let uri = request.uri();
+    let path = uri.path_and_query().map_or_else(
+        || uri.authority().map_or("/", |authority| authority.as_str()),
+        |path| path.as_str(),
+    );
     let span = policy
         .traces
         .as_ref()

@@ -589,9 +589,9 @@ async fn access_log_escapes_client_text() {
     assert!(out.iter().all(|l| l.starts_with('{') && l.ends_with('}')));
 }
 
-/// One line per request on the router's own answers and client departures: CONNECT (405),
-/// no backend (503), a client gone while its request was queued (499 client_gone), a client gone
-/// mid-stream (200, its bytes), a connect failure (502 connect).
+/// One line per request on the router's own answers and client departures: CONNECT (405, its
+/// target as the path), no backend (503), a client gone while its request was queued (499
+/// client_gone), a client gone mid-stream (200, its bytes), a connect failure (502 connect).
 #[tokio::test]
 async fn access_log_one_line_per_request_on_every_path() {
     let (streaming, _open) = streaming_backend().await;
@@ -647,7 +647,11 @@ async fn access_log_one_line_per_request_on_every_path() {
         vec![
             ("/queued".to_owned(), 499, Value::from("client_gone")),
             ("/stream".to_owned(), 200, Value::Null),
-            ("/".to_owned(), 405, Value::from("connect_not_allowed")),
+            (
+                "example.com:443".to_owned(),
+                405,
+                Value::from("connect_not_allowed")
+            ),
             ("/refused".to_owned(), 502, Value::from("connect")),
             ("/none".to_owned(), 503, Value::from("no_backend")),
         ],

@@ -533,23 +533,6 @@ async fn queue_outcomes_are_counted_once_by_band() {
 // Access log (router binary: the log goes to stdout)
 // ---------------------------------------------------------------------------------------------
 
-async fn access_log_lines(router: &ChildRouter, count: usize) -> Vec<Value> {
-    let lines = || router.out.lock().unwrap().clone();
-    assert!(
-        eventually(PATIENCE, async || lines().len() >= count).await,
-        "{:?}",
-        lines()
-    );
-    // A little more time for a line too many to show.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let lines: Vec<Value> = lines()
-        .iter()
-        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
-        .collect();
-    assert_eq!(lines.len(), count, "one line per request: {lines:#?}");
-    lines
-}
-
 async fn raw(addr: std::net::SocketAddr, request: &[u8]) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     stream.write_all(request).await.unwrap();

@@ -102,23 +102,6 @@ async fn a_dns_name_is_followed_until_set_backends_takes_over() {
     );
 }
 
-/// The router's access log once it holds `count` lines, each parsed: exactly `count` lines (one
-/// per finished request).
-async fn access_log_lines(router: &ChildRouter, count: usize) -> Vec<Value> {
-    let lines = || router.out.lock().unwrap().clone();
-    assert!(
-        eventually(PATIENCE, async || lines().len() >= count).await,
-        "{:?}",
-        lines()
-    );
-    let lines: Vec<Value> = lines()
-        .iter()
-        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
-        .collect();
-    assert_eq!(lines.len(), count, "one line per request: {lines:?}");
-    lines
-}
-
 #[tokio::test]
 async fn the_access_log_has_one_json_line_per_finished_request() {
     let backend = named_backend("logged").await;

@@ -541,6 +541,24 @@ pub fn logged_router(backend: &str, extra: &[(&str, &str)]) -> ChildRouter {
     spawn_router_process(&env)
 }
 
+/// The router's access log once it holds `count` lines, each parsed: exactly `count` lines (one
+/// per finished request; a little more time is given for a line too many to show).
+pub async fn access_log_lines(router: &ChildRouter, count: usize) -> Vec<Value> {
+    let lines = || router.out.lock().unwrap().clone();
+    assert!(
+        eventually(Duration::from_secs(10), async || lines().len() >= count).await,
+        "{:?}",
+        lines()
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let lines: Vec<Value> = lines()
+        .iter()
+        .map(|line| serde_json::from_str(line).expect("each line is JSON"))
+        .collect();
+    assert_eq!(lines.len(), count, "one line per request: {lines:#?}");
+    lines
+}
+
 /// `POST /_custom_router/set-backends` with `body` (and `Authorization: Bearer token`): the
 /// status and the answer as JSON (as text when it is not JSON).
 pub async fn post_set_backends(

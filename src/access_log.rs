@@ -156,12 +156,16 @@ impl Pending {
         path: &str,
         trace_id: Option<String>,
     ) -> Self {
+        Self::arrived(log, method.as_str(), path, trace_id)
+    }
+
+    fn arrived(log: &AccessLog, method: &str, path: &str, trace_id: Option<String>) -> Self {
         Self {
             log: log.clone(),
             arrived: Instant::now(),
             record: Record {
                 time: rfc3339_now(),
-                method: method.as_str().to_owned(),
+                method: method.to_owned(),
                 path: path.to_owned(),
                 status: 0,
                 backend: None,
@@ -183,12 +187,7 @@ impl Pending {
     /// A request refused before it was read whole (a malformed or oversized head): its method
     /// and path are not known, and are logged empty.
     pub fn refused(log: &AccessLog) -> Self {
-        Self::new(log, &http::Method::GET, "", None).unknown_method()
-    }
-
-    fn unknown_method(mut self) -> Self {
-        self.record.method.clear();
-        self
+        Self::arrived(log, "", "", None)
     }
 
     /// What the router read of the request: its priority band's name and, when a prompt was

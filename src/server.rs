@@ -762,7 +762,7 @@ impl h1::server::Handler for Routes {
         )
     }
 
-    fn refused(&self, status: StatusCode, _message: &'static str) {
+    fn refused(&self, status: StatusCode) {
         if let Some(log) = self.shared.policy.load().access_log.as_ref() {
             crate::access_log::Pending::refused(log).finish(
                 status.as_u16(),

@@ -220,8 +220,8 @@ pub trait Handler {
     }
 
     /// A request the server refused itself, before any handler saw it (a malformed or
-    /// oversized head), answered `status` with `message` and closed: for the access log.
-    fn refused(&self, _status: StatusCode, _message: &'static str) {}
+    /// oversized head), answered `status` and closed: for the access log.
+    fn refused(&self, _status: StatusCode) {}
 }
 
 /// A response body, and the field lines it carries when it relays a plain-HTTP backend's answer
@@ -551,7 +551,7 @@ async fn receive<H: Handler, W: ClientWrite>(
         Ok(head) => head,
         Err(Refusal::Quiet) => return None,
         Err(Refusal::Answer(status, message)) => {
-            handler.refused(status, message);
+            handler.refused(status);
             refusal(out, status, message);
             let _ = writer.write_all(out).await;
             return None;

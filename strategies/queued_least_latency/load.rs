@@ -897,9 +897,12 @@ impl QueuedLeastLatency {
     /// engine is full, whatever the first bytes say.
     pub(super) fn learn_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
         let busy = backend.in_flight() as f64;
+        // When the first byte came: no clock read of its own.
+        let after = std::time::Duration::try_from_secs_f64(first_byte.seconds).unwrap_or_default();
+        let at = first_byte.dispatched_at + after;
         let engine_full = backend
             .engine()
-            .snapshot(Instant::now())
+            .snapshot(at)
             .is_some_and(|engine| engine.waiting > 0);
         let slot = backend.strategy_slot::<Slot>();
         let _ = slot

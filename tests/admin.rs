@@ -194,13 +194,6 @@ async fn health_reports_the_reference_fields_and_strategy() {
     assert_eq!(backend["completed"], 0);
 }
 
-/// The value of the series `name` (with labels exactly as written) in a metrics text.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-}
-
 #[tokio::test]
 async fn metrics_use_the_reference_names_and_drop_removed_backends() {
     let a = named_backend("a").await;

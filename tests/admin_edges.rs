@@ -741,14 +741,7 @@ async fn reload_keeps_or_swaps_the_admin_settings() {
             == 1.0)
         .await
     );
-    assert!(
-        router
-            .log
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|l| l.contains("admin.bogus"))
-    );
+    assert!(router.logged("admin.bogus"));
     let body = json!({ "backends": [backend.host_port()] }).to_string();
     assert_eq!(
         post_set_backends(router.addr, &body, Some("two")).await.0,

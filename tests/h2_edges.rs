@@ -117,6 +117,14 @@ impl H2 {
         }
     }
 
+    /// The HEADERS frame of stream `id`'s answer, within 5 s.
+    async fn answer_head(&mut self, id: u32) -> Option<(u8, u8, u32, Vec<u8>)> {
+        self.until(Duration::from_secs(5), |kind, _, stream, _| {
+            kind == HEADERS && stream == id
+        })
+        .await
+    }
+
     /// Reads frames until `stop` says so (returns that frame) or `limit` passes (`None`, also
     /// when the connection closed).
     async fn until(
@@ -143,14 +151,6 @@ impl H2 {
             .await
             .is_ok()
     }
-}
-
-async fn metric(router: &TestRouter, series: &str) -> f64 {
-    let (_, text) = get(&router.url("/_custom_router/metrics")).await;
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{series} not in metrics"))
 }
 
 fn in_flight_series(backend: &FakeBackend) -> String {
@@ -210,11 +210,7 @@ async fn a_zero_stream_window_from_the_start_gives_the_backend_slot_back_at_the_
     let series = in_flight_series(&backend);
     let mut h2 = H2::connect(&router, &[(SETTINGS_INITIAL_WINDOW_SIZE, 0)]).await;
     h2.get(1, "/stream").await;
-    let head = h2
-        .until(Duration::from_secs(5), |kind, _, stream, _| {
-            kind == HEADERS && stream == 1
-        })
-        .await;
+    let head = h2.answer_head(1).await;
     assert!(head.is_some(), "the answer's head arrives");
     assert_eq!(metric(&router, &series).await, 1.0);
     // send_timeout is 0.5 s: give it ten times that.
@@ -242,11 +238,7 @@ async fn an_answer_buffered_in_h2_that_the_client_never_takes_does_not_hold_the_
     .await;
     let mut h2 = H2::connect(&router, &[(SETTINGS_INITIAL_WINDOW_SIZE, 1)]).await;
     h2.get(1, "/tiny").await;
-    let head = h2
-        .until(Duration::from_secs(5), |kind, _, stream, _| {
-            kind == HEADERS && stream == 1
-        })
-        .await;
+    let head = h2.answer_head(1).await;
     assert!(head.is_some(), "the answer's head arrives");
     // send_timeout and header_read_timeout are 0.5 s.
     let closed = h2.closed_within(Duration::from_secs(6)).await;
@@ -483,12 +475,7 @@ async fn cookie_crumbs_count_as_one_field_against_the_field_limit() {
         h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &block(&fields))
             .await
     );
-    let head = h2
-        .until(Duration::from_secs(5), |kind, _, stream, _| {
-            kind == HEADERS && stream == 1
-        })
-        .await
-        .expect("an answer");
+    let head = h2.answer_head(1).await.expect("an answer");
     assert_eq!(
         status(&head.3),
         200,

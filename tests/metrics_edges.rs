@@ -25,11 +25,17 @@ async fn metrics_text(router: &TestRouter) -> String {
     text
 }
 
-/// The value of the series `series` (labels exactly as written) in a metrics text.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
+/// The body of `GET path` through the router, its first frame (data) read: a stream under way.
+async fn stream_under_way(router: &TestRouter, path: &str) -> hyper::body::Incoming {
+    let response = client()
+        .request(Request::get(router.url(path)).body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    body
 }
 
 /// Series lines (not comments) of the metrics text.
@@ -105,18 +111,8 @@ async fn a_response_cut_by_the_client_mid_stream_is_still_a_backend_response() {
     let (backend, _open) = streaming_backend().await;
     let router = start_router(round_robin()).await;
     set_backends(router.addr, &[backend.host_port()]).await;
-    {
-        let client = client();
-        let response = client
-            .request(Request::get(router.url("/stream")).body(full("")).unwrap())
-            .await
-            .unwrap();
-        assert_eq!(response.status(), StatusCode::OK);
-        let mut body = response.into_body();
-        let first = body.frame().await.unwrap().unwrap();
-        assert!(first.is_data());
-        // The client leaves mid-stream.
-    }
+    // The client leaves mid-stream.
+    drop(stream_under_way(&router, "/stream").await);
     let balancer = Arc::clone(&router.balancer);
     assert!(
         eventually(PATIENCE, async || balancer.backends()[0].in_flight() == 0).await,
@@ -400,22 +396,10 @@ async fn in_flight_returns_to_zero_on_every_path() {
     assert!(eventually(PATIENCE, async || all_zero(&router)).await);
     // Client gone mid-stream, backend reset mid-stream.
     set_backends(router.addr, &[streaming.host_port()]).await;
-    {
-        let response = client()
-            .request(Request::get(router.url("/s")).body(full("")).unwrap())
-            .await
-            .unwrap();
-        let mut body = response.into_body();
-        body.frame().await.unwrap().unwrap();
-    }
+    drop(stream_under_way(&router, "/s").await);
     assert!(eventually(PATIENCE, async || all_zero(&router)).await);
     {
-        let response = client()
-            .request(Request::get(router.url("/s")).body(full("")).unwrap())
-            .await
-            .unwrap();
-        let mut body = response.into_body();
-        body.frame().await.unwrap().unwrap();
+        let mut body = stream_under_way(&router, "/s").await;
         streaming.kill();
         while let Some(Ok(_)) = body.frame().await {}
     }

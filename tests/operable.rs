@@ -87,15 +87,7 @@ async fn a_dns_name_is_followed_until_set_backends_takes_over() {
         assert_eq!((status, body.as_str()), (StatusCode::OK, "resolved"));
     }
     set_backends(router.addr, &[]).await;
-    assert!(
-        eventually(PATIENCE, async || router
-            .log
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|line| line.contains("DNS discovery stops")))
-        .await
-    );
+    assert!(eventually(PATIENCE, async || router.logged("DNS discovery stops")).await);
     assert!(
         health_addrs(&router).await.is_empty(),
         "discovery no longer sets backends"
@@ -256,14 +248,7 @@ async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps
     // The new first-byte timeout holds for a new request.
     let (status, body) = get(&format!("http://{}/slow", router.addr)).await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
-    assert!(
-        router
-            .log
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|line| line.contains("configuration reloaded"))
-    );
+    assert!(router.logged("configuration reloaded"));
 
     // An invalid file: the same error as at start-up is logged, the running config kept.
     write("[strategy]\nname = \"no-such-strategy\"\n");

@@ -393,14 +393,7 @@ fn sigterm_at_the_listening_line_is_a_drain_not_a_kill() {
         let code = router.wait_exit(Duration::from_secs(10));
         // The log is read by a thread of its own: give it the last lines.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while !router
-            .log
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|line| line.contains("\"stopped\""))
-            && std::time::Instant::now() < deadline
-        {
+        while !router.logged("\"stopped\"") && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         let log = router.log.lock().unwrap().join("\n");

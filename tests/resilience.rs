@@ -16,15 +16,6 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The value of a series in the router's metrics text.
-async fn metric(router: &TestRouter, series: &str) -> f64 {
-    let (_, text) = get(&router.url("/_custom_router/metrics")).await;
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{series} not in metrics"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_refusing_connections_costs_no_request_with_any_strategy() {
     for strategy in ["queued-least-latency", "round-robin"] {

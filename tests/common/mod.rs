@@ -426,6 +426,15 @@ pub struct ChildRouter {
 }
 
 impl ChildRouter {
+    /// Whether a log line so far contains `text`.
+    pub fn logged(&self, text: &str) -> bool {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.contains(text))
+    }
+
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         let status = Command::new("kill")
@@ -528,6 +537,19 @@ pub fn spawn_router_process(env: &[(&str, &str)]) -> ChildRouter {
         log,
         out,
     }
+}
+
+/// The value of the series `series` (labels exactly as written) in a metrics text.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// The value of a series in the router's metrics.
+pub async fn metric(router: &TestRouter, series: &str) -> f64 {
+    let (_, text) = get(&router.url("/_custom_router/metrics")).await;
+    sample(&text, series).unwrap_or_else(|| panic!("{series} not in metrics"))
 }
 
 /// The router binary with round-robin over `backend`, its access log on stdout, and `extra`.

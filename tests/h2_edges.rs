@@ -431,6 +431,14 @@ async fn a_connection_holds_at_most_128_streams_at_once() {
         answered += 1;
     }
     assert_eq!(backend.hits(), 128);
+    // Canary: a fresh connection is served.
+    let mut fresh = H2::connect(&router, &[]).await;
+    fresh.get(1, "/tiny").await;
+    let head = fresh
+        .answer_head(1)
+        .await
+        .expect("an answer on a fresh connection");
+    assert_eq!(status(&head.3), 200);
 }
 
 /// Cookies split into crumbs (RFC 9113 §8.2.3) are one field against the field limit: 150

@@ -313,6 +313,13 @@ async fn an_answer_given_before_the_body_is_read_says_the_connection_closes() {
     // And it does: nothing of the unread body is read as a request of its own.
     assert_no_second_answer(&mut reader).await;
     upload.abort();
+    // Canary: a fresh connection is served.
+    let health = exchange(
+        router.addr,
+        b"GET /_custom_router/health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
 }
 
 /// A body made of whole requests (`GET /smuggled`), `len` bytes or a little more: read as the
@@ -462,6 +469,13 @@ async fn a_backend_refusal_of_an_unread_upload_says_the_connection_closes() {
     // is never read as requests.
     assert_no_second_answer(&mut reader).await;
     upload.abort();
+    // Canary: a fresh connection is served.
+    let health = exchange(
+        router.addr,
+        b"GET /_custom_router/health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
 }
 
 /// A request whose body will be read gets its `100 Continue`, admin and proxied alike.

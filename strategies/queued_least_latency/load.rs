@@ -423,19 +423,30 @@ const OVERFLOW_SPEEDUP: f64 = 1.5;
 /// answer runs soon enough anywhere.
 const OVERFLOW_LENGTH: f64 = 1.2;
 
-/// KV-cache usage from which an engine is taken as full ([`engine_ahead`]).
+/// KV-cache usage from which an engine's cache is taken as full ([`engine_ahead`],
+/// [`engine_full`]).
 pub(super) const KV_FULL: f64 = 0.95;
 
 /// What an engine's own numbers add ahead of a newcomer, in typical requests: those waiting in
-/// its queue (from this router or any other: the engine is full), those it runs for other
-/// clients (`running` beyond the router's `in_flight`: a new leader's first picture of work it
-/// did not send), and one more when its KV cache is full (at least [`KV_FULL`]): a new
-/// sequence starts only when one ends.
+/// its queue (from this router or any other), those it runs for other clients (`running`
+/// beyond the router's `in_flight`: a new leader's first picture of work it did not send), and
+/// one more when its KV cache is full (at least [`KV_FULL`]): a new sequence starts only when
+/// one ends.
 pub(super) fn engine_ahead(engine: &EngineSnapshot, in_flight: usize) -> f64 {
     let own = u32::try_from(in_flight).unwrap_or(u32::MAX);
     let others = engine.running.saturating_sub(own);
     let full = engine.kv_usage.is_some_and(|usage| usage >= KV_FULL);
     f64::from(engine.waiting) + f64::from(others) + if full { 1.0 } else { 0.0 }
+}
+
+/// Whether an engine's own numbers say it is full: requests wait in its queue *and* its KV
+/// cache is at least [`KV_FULL`] used. Requests wait in an engine's queue between two of its
+/// steps whenever they arrive faster than one a step, with room to spare (a scrape during a
+/// burst of arrivals nearly always sees some), so a waiting count alone is no sign of a full
+/// engine; with the KV cache full they wait for running sequences to end. An engine that does
+/// not export its KV usage is never taken as full here.
+pub(super) fn engine_full(engine: &EngineSnapshot) -> bool {
+    engine.waiting > 0 && engine.kv_usage.is_some_and(|usage| usage >= KV_FULL)
 }
 
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
@@ -893,8 +904,8 @@ impl QueuedLeastLatency {
     }
 
     /// Folds a stream's first byte into `backend`'s prefill rate, fixed delay and limit. While
-    /// the engine's own numbers say requests wait inside it, the limit does not grow: the
-    /// engine is full, whatever the first bytes say.
+    /// the engine's own numbers say it is full ([`engine_full`]), the limit does not grow,
+    /// whatever the first bytes say.
     pub(super) fn learn_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
         let busy = backend.in_flight() as f64;
         // When the first byte came: no clock read of its own.
@@ -903,7 +914,7 @@ impl QueuedLeastLatency {
         let engine_full = backend
             .engine()
             .snapshot(at)
-            .is_some_and(|engine| engine.waiting > 0);
+            .is_some_and(|e| engine_full(&e));
         let slot = backend.strategy_slot::<Slot>();
         let _ = slot
             .answered

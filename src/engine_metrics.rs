@@ -344,6 +344,10 @@ pub struct EngineSnapshot {
     pub kv_usage: Option<f64>,
     /// Requests the engine takes at once, when it says (TGI's `/info`).
     pub max_concurrent: Option<u32>,
+    /// The router's own requests in flight to the backend when the scrape finished: what of
+    /// `running` is its own then. Compared with the count at the scrape, not the count now,
+    /// the requests ended since are not taken for another client's work.
+    pub in_flight_then: u32,
     /// Since the scrape the values come from.
     pub age: Duration,
 }
@@ -361,6 +365,7 @@ pub struct EngineLoad {
     sequence: AtomicU64,
     running: AtomicU32,
     waiting: AtomicU32,
+    in_flight_then: AtomicU32,
     kv_bits: AtomicU64,
     prefix_queries: AtomicU64,
     prefix_hits: AtomicU64,
@@ -386,6 +391,7 @@ impl Default for EngineLoad {
 struct Stored {
     running: u32,
     waiting: u32,
+    in_flight_then: u32,
     kv_bits: u64,
     prefix_queries: u64,
     prefix_hits: u64,
@@ -405,6 +411,7 @@ impl EngineLoad {
             sequence: AtomicU64::new(0),
             running: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
+            in_flight_then: AtomicU32::new(0),
             kv_bits: AtomicU64::new(UNSET),
             prefix_queries: AtomicU64::new(UNSET),
             prefix_hits: AtomicU64::new(UNSET),
@@ -418,7 +425,13 @@ impl EngineLoad {
 
     /// Stores the reading of a scrape finished `at`, to be read until it is older than
     /// `stale_after`.
-    pub fn record(&self, reading: &EngineReading, at: Instant, stale_after: Duration) {
+    pub fn record(
+        &self,
+        reading: &EngineReading,
+        in_flight: usize,
+        at: Instant,
+        stale_after: Duration,
+    ) {
         // Writers take turns: the sequence goes odd for the store, even again after it.
         let mut current = self.sequence.load(Ordering::SeqCst);
         loop {
@@ -439,6 +452,10 @@ impl EngineLoad {
         }
         self.running.store(reading.running, Ordering::SeqCst);
         self.waiting.store(reading.waiting, Ordering::SeqCst);
+        self.in_flight_then.store(
+            u32::try_from(in_flight).unwrap_or(u32::MAX),
+            Ordering::SeqCst,
+        );
         self.kv_bits.store(
             reading.kv_usage.map_or(UNSET, f64::to_bits),
             Ordering::SeqCst,
@@ -464,6 +481,7 @@ impl EngineLoad {
             let stored = Stored {
                 running: self.running.load(Ordering::SeqCst),
                 waiting: self.waiting.load(Ordering::SeqCst),
+                in_flight_then: self.in_flight_then.load(Ordering::SeqCst),
                 kv_bits: self.kv_bits.load(Ordering::SeqCst),
                 prefix_queries: self.prefix_queries.load(Ordering::SeqCst),
                 prefix_hits: self.prefix_hits.load(Ordering::SeqCst),
@@ -496,6 +514,7 @@ impl EngineLoad {
             waiting: stored.waiting,
             kv_usage: (stored.kv_bits != UNSET).then(|| f64::from_bits(stored.kv_bits)),
             max_concurrent: self.stated_capacity(),
+            in_flight_then: stored.in_flight_then,
             age,
         })
     }
@@ -781,7 +800,7 @@ tgi_request_duration_count 1520
         assert_eq!(load.snapshot(Instant::now()), None);
         let reading = parse(VLLM_TEXT, EngineKind::Vllm).unwrap();
         let stale_after = Duration::from_millis(1500);
-        load.record(&reading, Instant::now(), stale_after);
+        load.record(&reading, 3, Instant::now(), stale_after);
         tokio::time::advance(Duration::from_millis(400)).await;
         let snapshot = load.snapshot(Instant::now()).unwrap();
         assert_eq!(
@@ -791,6 +810,7 @@ tgi_request_duration_count 1520
                 waiting: 5,
                 kv_usage: Some(0.375),
                 max_concurrent: None,
+                in_flight_then: 3,
                 age: Duration::from_millis(400),
             }
         );
@@ -807,7 +827,7 @@ tgi_request_duration_count 1520
         assert_eq!(load.snapshot(Instant::now()), None);
         assert_eq!(load.prefix_cache(Instant::now()), None);
         // A new scrape makes it fresh again.
-        load.record(&reading, Instant::now(), stale_after);
+        load.record(&reading, 0, Instant::now(), stale_after);
         assert_eq!(
             load.snapshot(Instant::now()).map(|s| s.age),
             Some(Duration::ZERO)
@@ -819,7 +839,7 @@ tgi_request_duration_count 1520
         let load = EngineLoad::new();
         let stale_after = Duration::from_secs(2);
         let reading = parse(TGI_TEXT, EngineKind::Tgi).unwrap();
-        load.record(&reading, Instant::now(), stale_after);
+        load.record(&reading, 0, Instant::now(), stale_after);
         assert!(load.wants_info(Instant::now()));
         assert_eq!(load.max_concurrent(Instant::now()), None);
         load.record_info(Some(64));
@@ -829,7 +849,7 @@ tgi_request_duration_count 1520
         tokio::time::advance(stale_after + Duration::from_millis(1)).await;
         assert_eq!(load.max_concurrent(Instant::now()), None);
         assert!(load.wants_info(Instant::now()));
-        load.record(&reading, Instant::now(), stale_after);
+        load.record(&reading, 0, Instant::now(), stale_after);
         assert_eq!(load.max_concurrent(Instant::now()), Some(64));
     }
 

@@ -134,7 +134,9 @@ pub async fn scrape(
     // Asked before the new values make the engine fresh again: a stale one is asked anew.
     let now = Instant::now();
     let wants_info = backend.engine().wants_info(now);
-    backend.engine().record(&reading, now, config.stale_after());
+    backend
+        .engine()
+        .record(&reading, backend.in_flight(), now, config.stale_after());
     if reading.engine == Engine::Tgi && wants_info && backend.engine().start_info() {
         let (backend, client) = (Arc::clone(backend), client.load_full());
         let timeout = config.timeout();

@@ -31,9 +31,12 @@ fn scraped(backend: &Backend, running: u32, waiting: u32, kv_usage: Option<f64>)
         kv_usage,
         prefix_cache: None,
     };
-    backend
-        .engine()
-        .record(&reading, Instant::now(), Duration::from_secs(10));
+    backend.engine().record(
+        &reading,
+        backend.in_flight(),
+        Instant::now(),
+        Duration::from_secs(10),
+    );
 }
 
 /// The address the next request is admitted to (its lease is finished at once).
@@ -158,4 +161,52 @@ async fn the_limit_does_not_grow_while_the_engine_is_full() {
             fifth.is_ok()
         );
     }
+}
+
+/// The engine's running count is compared with the router's requests in flight when the scrape
+/// was taken: requests that ended since are not taken for another client's work. Two measured
+/// backends, three requests on one and two on the other when both were scraped; two of the
+/// three end. The next request goes to the backend that made room (one in flight against two),
+/// though its last scrape still shows three running.
+#[tokio::test(start_paused = true)]
+async fn requests_ended_since_the_scrape_are_not_another_clients_work() {
+    let balancer = load_balancer();
+    let backends = paused::with_backends(&balancer, &["10.0.0.1:8000", "10.0.0.2:8000"]);
+    // Measure both: one answer each.
+    for _ in 0..2 {
+        let lease = paused::admit_now(&balancer).await;
+        advance(Duration::from_millis(100)).await;
+        lease.finish(paused::OK);
+        paused::settle().await;
+    }
+    let mut leases = Vec::new();
+    for _ in 0..5 {
+        leases.push(paused::admit_now(&balancer).await);
+    }
+    let on = |backend: &Backend| {
+        leases
+            .iter()
+            .filter(|lease| lease.backend().addr() == backend.addr())
+            .count()
+    };
+    let (three, two) = if on(&backends[0]) == 3 {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!((on(&backends[three]), on(&backends[two])), (3, 2));
+    scraped(&backends[three], 3, 0, Some(0.5));
+    scraped(&backends[two], 2, 0, Some(0.5));
+    // Two of the three end, answered.
+    let roomy = backends[three].addr().to_string();
+    for _ in 0..2 {
+        let at = leases
+            .iter()
+            .position(|lease| lease.backend().addr().to_string() == roomy)
+            .unwrap();
+        leases.swap_remove(at).finish(paused::OK);
+    }
+    paused::settle().await;
+    assert_eq!(backends[three].in_flight(), 1);
+    assert_eq!(next_pick(&balancer).await, roomy);
 }

@@ -379,7 +379,7 @@ async fn engine_waiting_counts_for_requests_without_a_prompt() {
             };
             backend
                 .engine()
-                .record(&reading, Instant::now(), Duration::from_secs(60));
+                .record(&reading, 0, Instant::now(), Duration::from_secs(60));
         }
         let mut leases = Vec::new();
         for _ in 0..2 {
@@ -494,7 +494,7 @@ async fn a_stale_engine_capacity_is_no_longer_read() {
     };
     backend
         .engine()
-        .record(&reading, Instant::now(), Duration::from_secs(1));
+        .record(&reading, 0, Instant::now(), Duration::from_secs(1));
     backend.engine().record_info(Some(1));
     advance(Duration::from_secs(60)).await;
     assert!(backend.engine().snapshot(Instant::now()).is_none(), "stale");

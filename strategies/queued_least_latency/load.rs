@@ -429,12 +429,11 @@ pub(super) const KV_FULL: f64 = 0.95;
 
 /// What an engine's own numbers add ahead of a newcomer, in typical requests: those waiting in
 /// its queue (from this router or any other), those it runs for other clients (`running`
-/// beyond the router's `in_flight`: a new leader's first picture of work it did not send), and
-/// one more when its KV cache is full (at least [`KV_FULL`]): a new sequence starts only when
-/// one ends.
-pub(super) fn engine_ahead(engine: &EngineSnapshot, in_flight: usize) -> f64 {
-    let own = u32::try_from(in_flight).unwrap_or(u32::MAX);
-    let others = engine.running.saturating_sub(own);
+/// beyond the router's requests in flight when the scrape finished: a new leader's first
+/// picture of work it did not send), and one more when its KV cache is full (at least
+/// [`KV_FULL`]): a new sequence starts only when one ends.
+pub(super) fn engine_ahead(engine: &EngineSnapshot) -> f64 {
+    let others = engine.running.saturating_sub(engine.in_flight_then);
     let full = engine.kv_usage.is_some_and(|usage| usage >= KV_FULL);
     f64::from(engine.waiting) + f64::from(others) + if full { 1.0 } else { 0.0 }
 }
@@ -672,7 +671,7 @@ impl QueuedLeastLatency {
                 return None;
             }
             let engine = demand.now.and_then(|now| backend.engine().snapshot(now));
-            return Some(engine.map_or(0.0, |engine| engine_ahead(&engine, 0) * demand.unit));
+            return Some(engine.map_or(0.0, |engine| engine_ahead(&engine) * demand.unit));
         }
         // An engine that states its capacity (TGI's `max_concurrent_requests`) is taken at its
         // word.
@@ -736,7 +735,7 @@ impl QueuedLeastLatency {
         let work = held + demand.output;
         let mut load = relative * work / demand.typical_output * demand.unit;
         if let Some(engine) = demand.now.and_then(|now| backend.engine().snapshot(now)) {
-            load += engine_ahead(&engine, in_flight) * demand.unit;
+            load += engine_ahead(&engine) * demand.unit;
         }
         if demand.prompt_tokens == 0 {
             return Some(load);

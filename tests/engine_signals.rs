@@ -39,6 +39,18 @@ fn scraped(backend: &Backend, running: u32, waiting: u32, kv_usage: Option<f64>)
     );
 }
 
+/// Two backends, each measured by one answer of 100 ms.
+async fn measured_pair(balancer: &Arc<Balancer>) -> Vec<Arc<Backend>> {
+    let backends = paused::with_backends(balancer, &["10.0.0.1:8000", "10.0.0.2:8000"]);
+    for _ in 0..2 {
+        let lease = paused::admit_now(balancer).await;
+        advance(Duration::from_millis(100)).await;
+        lease.finish(paused::OK);
+        paused::settle().await;
+    }
+    backends
+}
+
 /// The address the next request is admitted to (its lease is finished at once).
 async fn next_pick(balancer: &Arc<Balancer>) -> String {
     let lease = paused::admit_now(balancer).await;
@@ -70,14 +82,7 @@ async fn work_an_engine_runs_for_other_clients_counts_before_anything_is_measure
 async fn a_full_kv_cache_counts_as_a_request_ahead() {
     for full in [0, 1] {
         let balancer = load_balancer();
-        let backends = paused::with_backends(&balancer, &["10.0.0.1:8000", "10.0.0.2:8000"]);
-        // Measure both: one answer each.
-        for _ in 0..2 {
-            let lease = paused::admit_now(&balancer).await;
-            advance(Duration::from_millis(100)).await;
-            lease.finish(paused::OK);
-            paused::settle().await;
-        }
+        let backends = measured_pair(&balancer).await;
         // One request in flight on each, so that the work term is equal.
         let _a = paused::admit_now(&balancer).await;
         let _b = paused::admit_now(&balancer).await;
@@ -171,14 +176,7 @@ async fn the_limit_does_not_grow_while_the_engine_is_full() {
 #[tokio::test(start_paused = true)]
 async fn requests_ended_since_the_scrape_are_not_another_clients_work() {
     let balancer = load_balancer();
-    let backends = paused::with_backends(&balancer, &["10.0.0.1:8000", "10.0.0.2:8000"]);
-    // Measure both: one answer each.
-    for _ in 0..2 {
-        let lease = paused::admit_now(&balancer).await;
-        advance(Duration::from_millis(100)).await;
-        lease.finish(paused::OK);
-        paused::settle().await;
-    }
+    let backends = measured_pair(&balancer).await;
     let mut leases = Vec::new();
     for _ in 0..5 {
         leases.push(paused::admit_now(&balancer).await);

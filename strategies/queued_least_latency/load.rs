@@ -423,8 +423,7 @@ const OVERFLOW_SPEEDUP: f64 = 1.5;
 /// answer runs soon enough anywhere.
 const OVERFLOW_LENGTH: f64 = 1.2;
 
-/// KV-cache usage from which an engine's cache is taken as full ([`engine_ahead`],
-/// [`engine_full`]).
+/// KV-cache usage from which an engine's cache is taken as full ([`kv_full`]).
 pub(super) const KV_FULL: f64 = 0.95;
 
 /// What an engine's own numbers add ahead of a newcomer, in typical requests: those waiting in
@@ -434,8 +433,12 @@ pub(super) const KV_FULL: f64 = 0.95;
 /// [`KV_FULL`]): a new sequence starts only when one ends.
 pub(super) fn engine_ahead(engine: &EngineSnapshot) -> f64 {
     let others = engine.running.saturating_sub(engine.in_flight_then);
-    let full = engine.kv_usage.is_some_and(|usage| usage >= KV_FULL);
-    f64::from(engine.waiting) + f64::from(others) + if full { 1.0 } else { 0.0 }
+    f64::from(engine.waiting) + f64::from(others) + if kv_full(engine) { 1.0 } else { 0.0 }
+}
+
+/// Whether an engine's KV cache is at least [`KV_FULL`] used (never, when it exports no usage).
+fn kv_full(engine: &EngineSnapshot) -> bool {
+    engine.kv_usage.is_some_and(|usage| usage >= KV_FULL)
 }
 
 /// Whether an engine's own numbers say it is full: requests wait in its queue *and* its KV
@@ -445,7 +448,7 @@ pub(super) fn engine_ahead(engine: &EngineSnapshot) -> f64 {
 /// engine; with the KV cache full they wait for running sequences to end. An engine that does
 /// not export its KV usage is never taken as full here.
 pub(super) fn engine_full(engine: &EngineSnapshot) -> bool {
-    engine.waiting > 0 && engine.kv_usage.is_some_and(|usage| usage >= KV_FULL)
+    engine.waiting > 0 && kv_full(engine)
 }
 
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
@@ -910,10 +913,11 @@ impl QueuedLeastLatency {
         // When the first byte came: no clock read of its own.
         let after = std::time::Duration::try_from_secs_f64(first_byte.seconds).unwrap_or_default();
         let at = first_byte.dispatched_at + after;
-        let engine_full = backend
+        let full = backend
             .engine()
             .snapshot(at)
-            .is_some_and(|e| engine_full(&e));
+            .as_ref()
+            .is_some_and(engine_full);
         let slot = backend.strategy_slot::<Slot>();
         let _ = slot
             .answered
@@ -926,7 +930,7 @@ impl QueuedLeastLatency {
             if first_byte.streamed && !first_byte.past_limit {
                 let limit = learned.limit;
                 self.learn_ttfb(learned, first_byte, busy);
-                if engine_full {
+                if full {
                     learned.limit = learned.limit.min(limit);
                 }
             }

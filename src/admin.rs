@@ -53,6 +53,22 @@ pub struct AdminConfig {
 }
 
 impl AdminConfig {
+    /// Checks what the types leave open: a set token is one a client can send after `Bearer `
+    /// (the header is read as visible ASCII, trimmed), so a token with a space, a line break or
+    /// a non-ASCII character, which would refuse every call, is an error. The error names the
+    /// key within `[admin]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        if let Some(token) = self.token.as_deref() {
+            if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(crate::forms::Invalid::new(
+                    "token",
+                    "expected a non-empty token of visible ASCII characters (no spaces or line breaks)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `headers` carry the configured bearer token (or none is configured).
     fn authorizes(&self, headers: &http::HeaderMap) -> bool {
         let Some(token) = &self.token else {

@@ -138,6 +138,37 @@ impl QueueConfig {
     pub fn completed_cap(&self) -> u64 {
         (2 * self.max_size / 5).max(1) as u64
     }
+
+    /// Most requests `max_size` may hold: twice the queue's size is counted in places, and a
+    /// size past this would overflow them.
+    pub const MAX_SIZE: usize = 1 << 24;
+
+    /// Checks what the types leave open: a size from 1 to [`QueueConfig::MAX_SIZE`], a finite
+    /// `shed_ratio` ≥ 0, header names that are tokens. The error names the key within `[queue]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        use crate::forms::{Invalid, check};
+        check::positive("max_size", self.max_size as u64)?;
+        if self.max_size > Self::MAX_SIZE {
+            return Err(Invalid::new(
+                "max_size",
+                format!(
+                    "expected at most {} requests, found {}",
+                    Self::MAX_SIZE,
+                    self.max_size
+                ),
+            ));
+        }
+        let shed_ratio = self.shed_ratio;
+        if !(shed_ratio.is_finite() && shed_ratio >= 0.0) {
+            return Err(Invalid::new(
+                "shed_ratio",
+                format!("expected zero (never shed) or a positive number, found {shed_ratio}"),
+            ));
+        }
+        check::header_name("deadline_header", &self.deadline_header)?;
+        check::header_name("priority_header", &self.priority_header)?;
+        check::header_name("tenant_header", &self.tenant_header)
+    }
 }
 
 /// What the balancer is held to: the configuration's `[queue]`, `[latency]` and `[availability]`

@@ -102,6 +102,36 @@ impl EngineMetricsConfig {
     pub fn stale_after(&self) -> Duration {
         self.stale_after.unwrap_or(self.interval * 3)
     }
+
+    /// Checks what the types leave open: an interval from [`Self::MIN_INTERVAL`] to
+    /// [`Self::MAX_INTERVAL`], a `stale_after` of at least the interval, a path starting with
+    /// `/`. The error names the key within `[engine_metrics]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        use crate::forms::Invalid;
+        let interval = self.interval;
+        if !(Self::MIN_INTERVAL..=Self::MAX_INTERVAL).contains(&interval) {
+            return Err(Invalid::new(
+                "interval",
+                format!(
+                    "expected 0.1 to 10 seconds, found {}",
+                    interval.as_secs_f64()
+                ),
+            ));
+        }
+        if let Some(stale_after) = self.stale_after {
+            if stale_after < interval {
+                return Err(Invalid::new(
+                    "stale_after",
+                    format!(
+                        "expected at least engine_metrics.interval ({} seconds), found {}",
+                        interval.as_secs_f64(),
+                        stale_after.as_secs_f64()
+                    ),
+                ));
+            }
+        }
+        crate::forms::check::path("path", &self.path)
+    }
 }
 
 /// An engine whose names were found.

@@ -16,6 +16,10 @@
 //! Besides durations: [`list`] (a TOML array, or one comma-separated string as an environment
 //! variable gives), [`text`] (text that may look like a number) and [`secret`] (text printed
 //! as `"<redacted>"`).
+//!
+//! Ranges a type cannot say are checked by each settings struct's own `check` method, which
+//! names the refused key within its section in an [`Invalid`]; the common checks are in
+//! [`check`].
 
 use std::fmt::Display;
 use std::str::FromStr;
@@ -315,6 +319,82 @@ pub mod secret {
         deserializer: D,
     ) -> Result<Option<String>, D::Error> {
         super::text::deserialize(deserializer)
+    }
+}
+
+/// A value a settings struct's `check` refused: the key within its section and what was
+/// expected. The configuration prefixes the section and names where the value came from (the
+/// environment variable or the file key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    /// The key, relative to the checked section (`max_size`, `budget.percent`).
+    pub key: String,
+    /// What is wrong and what was expected.
+    pub message: String,
+}
+
+impl Invalid {
+    /// `key` holds a value that is wrong as `message` says.
+    pub fn new(key: &str, message: impl Into<String>) -> Self {
+        Self {
+            key: key.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// The same error seen from the enclosing section: the key becomes `section.key`.
+    pub fn within(self, section: &str) -> Self {
+        Self {
+            key: format!("{section}.{}", self.key),
+            message: self.message,
+        }
+    }
+}
+
+/// The checks several sections share, each naming the key it refuses.
+pub mod check {
+    use super::Invalid;
+
+    /// A count of at least 1.
+    pub fn positive(key: &str, value: u64) -> Result<(), Invalid> {
+        if value == 0 {
+            return Err(Invalid::new(key, "expected a positive integer, found 0"));
+        }
+        Ok(())
+    }
+
+    /// A percentage, from 0 to 100.
+    pub fn percentage(key: &str, value: f64) -> Result<(), Invalid> {
+        if !(0.0..=100.0).contains(&value) {
+            return Err(Invalid::new(
+                key,
+                format!("expected a percentage from 0 to 100, found {value}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A request path (and query) starting with `/`.
+    pub fn path(key: &str, path: &str) -> Result<(), Invalid> {
+        if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(Invalid::new(
+                key,
+                format!("expected a path starting with '/', found {path:?}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A header field name (an HTTP token), or empty for none.
+    pub fn header_name(key: &str, name: &str) -> Result<(), Invalid> {
+        let is_token_char = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+        if let Some(bad) = name.chars().find(|&c| !is_token_char(c)) {
+            return Err(Invalid::new(
+                key,
+                format!("expected a header name (or empty for none), found {name:?} with {bad:?}"),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -58,6 +58,24 @@ impl Default for RetryConfig {
     }
 }
 
+impl RetryConfig {
+    /// Checks what the types leave open: at least one attempt, the budget, a body limit of at
+    /// most 64 MiB. The error names the key within `[retry]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        crate::forms::check::positive("max_attempts", self.max_attempts.into())?;
+        self.budget
+            .check()
+            .map_err(|error| error.within("budget"))?;
+        if self.body_limit > 64 * 1024 * 1024 {
+            return Err(crate::forms::Invalid::new(
+                "body_limit",
+                format!("expected at most 67108864 bytes, found {}", self.body_limit),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// How requests are proxied: what retries may do, and what the response says of the decision.
 #[derive(Debug, Clone)]
 pub struct ProxyPolicy {

@@ -38,6 +38,22 @@ impl Default for BudgetConfig {
     }
 }
 
+impl BudgetConfig {
+    /// Checks what the types leave open: a percentage, a finite `min_per_second` ≥ 0. The error
+    /// names the key within `[retry.budget]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        crate::forms::check::percentage("percent", self.percent)?;
+        let min_per_second = self.min_per_second;
+        if !(min_per_second.is_finite() && min_per_second >= 0.0) {
+            return Err(crate::forms::Invalid::new(
+                "min_per_second",
+                format!("expected zero or a positive number, found {min_per_second}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct RetryBudget {

@@ -385,6 +385,21 @@ impl Default for LatencyConfig {
     }
 }
 
+impl LatencyConfig {
+    /// Checks what the types leave open: `ewma_alpha` in (0, 1]. The error names the key within
+    /// `[latency]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        let alpha = self.ewma_alpha;
+        if !(alpha > 0.0 && alpha <= 1.0) {
+            return Err(crate::forms::Invalid::new(
+                "ewma_alpha",
+                format!("expected a number in (0, 1], found {alpha}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Core settings a strategy may read when it is built.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StrategyContext {

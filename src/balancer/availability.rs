@@ -76,6 +76,18 @@ impl AvailabilityConfig {
     fn ejection_length(&self, ejections: u32) -> Duration {
         (self.ejection_time * ejections).min(self.max_ejection_time)
     }
+
+    /// Checks what the types leave open: at least one failure to eject, a percentage, a probe
+    /// path starting with `/`. The error names the key within `[availability]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        use crate::forms::check;
+        check::positive("consecutive_failures", self.consecutive_failures.into())?;
+        check::percentage("max_ejection_percent", self.max_ejection_percent)?;
+        if let Some(path) = &self.health_check_path {
+            check::path("health_check_path", path)?;
+        }
+        Ok(())
+    }
 }
 
 impl Balancer {

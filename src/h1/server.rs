@@ -92,6 +92,23 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// Checks what the types leave open: a request head limit from 8 KiB to 1 MiB. The error
+    /// names the key within `[limits]`.
+    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
+        if !(8 * 1024..=1024 * 1024).contains(&self.max_header_bytes) {
+            return Err(crate::forms::Invalid::new(
+                "max_header_bytes",
+                format!(
+                    "expected 8192 to 1048576 bytes, found {}",
+                    self.max_header_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A streamed body's frames that are ready at once are gathered into one write, up to this
 /// many bytes (events that piled up while the connection waited for the CPU go out together, as
 /// nginx's and HAProxy's buffers send them).

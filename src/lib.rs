@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod observed;
 pub mod pool;
 pub mod prefix_index;
+pub mod process;
 pub mod prompt;
 pub mod proxy;
 mod request_view;

@@ -64,7 +64,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(settings.config.log_format);
-    let open_files = config::raise_open_file_limit();
+    let open_files = custom_router::process::raise_open_file_limit();
     tracing::debug!(?open_files, "open-file limit");
     let mut builder = match settings.worker_threads() {
         1 => tokio::runtime::Builder::new_current_thread(),

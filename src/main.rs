@@ -17,7 +17,7 @@ const CONFIG_ERROR: u8 = 2;
     name = "custom-router",
     version,
     about = "Load-balancing HTTP proxy for LLM inference replicas (Inference Endpoints custom router)",
-    after_help = after_help()
+    after_help = config::after_help()
 )]
 struct Cli {
     /// TOML configuration file (also CUSTOM_ROUTER_CONFIG); environment variables override it.
@@ -27,18 +27,6 @@ struct Cli {
     /// Print the effective configuration as JSON and exit (2 if it is invalid).
     #[arg(long)]
     check_config: bool,
-}
-
-fn after_help() -> String {
-    let strategies: Vec<String> = custom_router::strategies::REGISTRY
-        .iter()
-        .map(|entry| format!("  {:<34} {}", entry.name, entry.summary))
-        .collect();
-    format!(
-        "{}\nStrategies (CUSTOM_ROUTER_STRATEGY or [strategy] name):\n{}\n",
-        config::env_help(),
-        strategies.join("\n")
-    )
 }
 
 fn main() -> ExitCode {

@@ -37,6 +37,13 @@ struct Args {
     /// Leave nginx out even when it is installed.
     #[arg(long)]
     no_nginx: bool,
+    /// Leave the LLM routers (SMG, the vLLM router) out.
+    #[arg(long)]
+    no_llm_routers: bool,
+    /// Run only this LLM router and policy (repeatable): `smg:cache_aware`,
+    /// `vllm-router:power_of_two`, ...
+    #[arg(long = "llm-router", value_name = "ROUTER:POLICY")]
+    llm_routers: Vec<String>,
     /// Seed of the first run.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -68,6 +75,8 @@ fn main() -> ExitCode {
         scenarios: args.scenarios,
         strategies: args.strategies,
         nginx: !args.no_nginx,
+        gateways: !args.no_llm_routers,
+        gateway_specs: args.llm_routers,
         seed: args.seed,
         runs: args.runs.max(1),
         // Absolute, because nginx resolves the paths in its configuration against its prefix.

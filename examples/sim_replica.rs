@@ -73,6 +73,9 @@ struct Args {
     /// Seed of the fault draws.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// OpenAI answers carry `usage` (prompt, completion and cached prompt tokens).
+    #[arg(long)]
+    usage: bool,
     /// Fraction (0..=1) of requests answered 500.
     #[arg(long, default_value_t = 0.0)]
     fail_fraction: f64,
@@ -134,6 +137,7 @@ impl Args {
                 close_after_tokens: self.close_after_tokens,
                 exit_after: self.exit_after.map(Duration::from_secs_f64),
             },
+            usage: self.usage,
         }
     }
 }

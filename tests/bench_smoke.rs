@@ -19,6 +19,8 @@ fn smoke_options(out_dir: PathBuf) -> lab::SuiteOptions {
         scenarios: Vec::new(),
         strategies: Vec::new(),
         nginx: false,
+        gateways: false,
+        gateway_specs: Vec::new(),
         seed: 1,
         runs: 1,
         out_dir,
@@ -642,6 +644,7 @@ mod workloads {
             think_seconds: (1.0, 2.0),
             start_within: 10.0,
             session_header,
+            stream: true,
         }
     }
 
@@ -696,6 +699,7 @@ mod workloads {
             long_prompt_tokens: (2_000, 32_000),
             short_prompt_tokens: (100, 500),
             answer_tokens: Lengths::Fixed(10),
+            stream: true,
         };
         let users = Workload::Documents(documents).users(3, Scale::FULL);
         assert!((400..600).contains(&users.len()), "{}", users.len());
@@ -717,8 +721,9 @@ mod classes {
 
     use super::lab::Mode;
     use super::lab::load::{self, Class, Lengths, OpenLoop, Record};
-    use super::lab::report::{self, Slo};
+    use super::lab::report;
     use super::lab::scenarios::{self, Kind, PeerRun, Routing};
+    use super::lab::summary::{self, Slo};
 
     fn open_loop(seed: u64) -> OpenLoop {
         OpenLoop {
@@ -1002,7 +1007,7 @@ mod classes {
         }
         records.push(record(Some("b"), 500, 0.001, 8));
         let classes = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
-        let metrics = report::summarize_classes(&records, &classes, |r| r.class, &SLO);
+        let metrics = summary::summarize_classes(&records, &classes, |r| r.class, &SLO);
         let get = |key: &str| metrics.get(key).copied();
         assert_eq!(get("requests.a"), Some(120.0));
         assert_eq!(get("latency_p50_s.a"), Some(0.5));
@@ -1020,7 +1025,7 @@ mod classes {
         assert_eq!(get("slo_pct.c"), None);
         for key in metrics.keys() {
             let stem = key.split('.').next().unwrap();
-            assert!(report::CLASS_STEMS.contains(&stem), "{key}");
+            assert!(summary::CLASS_STEMS.contains(&stem), "{key}");
         }
     }
 
@@ -1050,8 +1055,8 @@ mod classes {
             .map(|i| record(Some(if i % 5 == 0 { "b" } else { "a" }), 200, 0.1, 8))
             .collect();
         let classes = ["a".to_owned(), "b".to_owned()];
-        let mut metrics = report::summarize(&records, &["r1".to_owned()], &SLO);
-        metrics.extend(report::summarize_classes(
+        let mut metrics = summary::summarize(&records, &["r1".to_owned()], &SLO);
+        metrics.extend(summary::summarize_classes(
             &records,
             &classes,
             |r| r.class,
@@ -1084,5 +1089,39 @@ mod classes {
         let json = serde_json::to_value(&reported).unwrap();
         assert_eq!(json["classes"], serde_json::json!(["a", "b"]));
         assert_eq!(json["peers"][0]["median"]["latency_p99_s.b"], 0.1);
+    }
+}
+
+// --- The LLM routers as peers: their names and policies on the command line. ---
+
+mod gateways {
+    use super::lab::gateways::{Gateway, GatewaySpec};
+
+    #[test]
+    fn an_llm_router_is_named_with_its_policy_and_bad_names_are_refused() {
+        let spec = GatewaySpec::parse("smg:cache_aware").unwrap();
+        assert_eq!(
+            (spec.gateway, spec.label()),
+            (Gateway::Smg, "smg-cache-aware".to_owned())
+        );
+        let spec = GatewaySpec::parse("vllm-router:power_of_two").unwrap();
+        assert_eq!(spec.label(), "vllm-router-power-of-two");
+        for bad in ["smg", "nginx:least_conn", "smg:", "smg:Cache"] {
+            assert!(GatewaySpec::parse(bad).is_err(), "{bad}");
+        }
+        let labels: Vec<String> = GatewaySpec::defaults()
+            .iter()
+            .map(GatewaySpec::label)
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                "smg-cache-aware",
+                "smg-least-load",
+                "smg-power-of-two",
+                "vllm-router-cache-aware",
+                "vllm-router-power-of-two"
+            ]
+        );
     }
 }

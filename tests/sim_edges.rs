@@ -238,7 +238,7 @@ async fn open_loop_sends_on_schedule_even_when_the_target_never_answers() {
 /// Nearest-rank percentiles: the p99 of 100 sorted samples is the 99th, of 1,000 the 990th.
 #[test]
 fn percentiles_are_nearest_rank() {
-    use lab::report::{median, percentile};
+    use lab::summary::{median, percentile};
     let values: Vec<f64> = (1..=100).map(f64::from).collect();
     assert_eq!(percentile(&values, 0.99), Some(99.0));
     assert_eq!(percentile(&values, 0.50), Some(50.0));
@@ -251,7 +251,7 @@ fn percentiles_are_nearest_rank() {
 /// Refused and failed requests never count in the SLO; a success counts once.
 #[test]
 fn slo_goodput_counts_only_successes_once() {
-    use lab::report::{Slo, summarize};
+    use lab::summary::{Slo, summarize};
     let slo = Slo {
         ttft_seconds: 1.0,
         ttft_seconds_per_prompt_token: 0.0,
@@ -330,4 +330,209 @@ fn prefix_cache_hit_ceiling() {
             100.0 * hit as f64 / queried as f64
         );
     }
+}
+
+// --- What the LLM routers ask of a replica: health, models, tokens; usage in answers. ---
+
+async fn exchange(
+    addr: std::net::SocketAddr,
+    method: http::Method,
+    path: &str,
+    body: &str,
+) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let request = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_owned(),
+        )))
+        .unwrap();
+    let response = load::http_client().request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// As vLLM: `GET /health` and `GET /v1/models` answer (SMG registers a worker once they do),
+/// `POST /tokenize` and the render endpoints give equal ids for equal text (the vLLM router's
+/// cache_aware matches on them), and any other `GET` is 404, not a generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_answers_what_llm_routers_ask_of_a_vllm_worker() {
+    let replica = sim::spawn(SimConfig::instant("v")).await.unwrap();
+    let addr = replica.addr;
+    assert_eq!(
+        exchange(addr, http::Method::GET, "/health", "").await.0,
+        200
+    );
+    let (status, models) = exchange(addr, http::Method::GET, "/v1/models", "").await;
+    let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(
+        (status, models["data"][0]["owned_by"].as_str()),
+        (200, Some("vllm"))
+    );
+    assert_eq!(
+        exchange(addr, http::Method::GET, "/get_load", "").await.0,
+        404
+    );
+    let tokenize = |body: &'static str| exchange(addr, http::Method::POST, "/tokenize", body);
+    let (status, one) = tokenize(r#"{"prompt": "abcdefgh-same-start-1"}"#).await;
+    let (_, two) = tokenize(r#"{"prompt": "abcdefgh-same-start-2"}"#).await;
+    let ids = |text: &str| -> Vec<u64> {
+        let value: serde_json::Value = serde_json::from_str(text).unwrap();
+        let tokens = value["tokens"].as_array().or(value["token_ids"].as_array());
+        tokens
+            .unwrap()
+            .iter()
+            .map(|id| id.as_u64().unwrap())
+            .collect()
+    };
+    let (one, two) = (ids(&one), ids(&two));
+    assert_eq!(status, 200);
+    assert_eq!(one.len(), 6, "21 bytes are 6 tokens of 4");
+    assert_eq!(one[..5], two[..5]);
+    assert_ne!(one[5], two[5]);
+    let chat = r#"{"messages": [{"role": "user", "content": "hello"}]}"#;
+    let (status, rendered) = exchange(
+        addr,
+        http::Method::POST,
+        "/v1/chat/completions/render",
+        chat,
+    )
+    .await;
+    // `<|user|>\nhello\n<|assistant|>\n`: 29 bytes, 8 tokens.
+    assert_eq!((status, ids(&rendered).len()), (200, 8));
+    assert_eq!(
+        SimStats::get(&replica.stats.received),
+        0,
+        "none was a generation"
+    );
+}
+
+/// With `usage` on, an OpenAI answer reports its prompt, completion and cached prompt tokens
+/// (vLLM's `prompt_tokens_details.cached_tokens`): in the document of a whole answer, and in a
+/// last event before `[DONE]` of a stream. A second request with the same prompt finds its full
+/// blocks cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_report_usage_with_the_cached_prompt_tokens() {
+    let config = SimConfig {
+        name: "u".into(),
+        prefill_ms: 0.0,
+        step_ms: 1.0,
+        step_per_batch_ms: 0.0,
+        prefix_cache_tokens: 10_000,
+        block_tokens: 16,
+        batching: Batching::Stepped {
+            token_budget: 2_048,
+        },
+        usage: true,
+        ..SimConfig::default()
+    };
+    let replica = sim::spawn(config).await.unwrap();
+    let prompt = "p".repeat(400);
+    let whole = format!(r#"{{"prompt": "{prompt}", "max_tokens": 3}}"#);
+    let (status, first) =
+        exchange(replica.addr, http::Method::POST, "/v1/completions", &whole).await;
+    let first: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(first["usage"]["prompt_tokens"], 100);
+    assert_eq!(first["usage"]["completion_tokens"], 3);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // The same prompt again: its 6 full blocks of 16 tokens are cached.
+    let streamed = format!(r#"{{"prompt": "{prompt}", "max_tokens": 2, "stream": true}}"#);
+    let (_, events) = exchange(
+        replica.addr,
+        http::Method::POST,
+        "/v1/completions",
+        &streamed,
+    )
+    .await;
+    let events: Vec<&str> = events.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 4, "two tokens, the usage, [DONE]: {events:?}");
+    assert_eq!(events[3], "data: [DONE]");
+    let usage: serde_json::Value =
+        serde_json::from_str(events[2].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+    // Without usage on, the same answer has none.
+    let plain = sim::spawn(SimConfig::instant("n")).await.unwrap();
+    let (_, answer) = exchange(plain.addr, http::Method::POST, "/v1/completions", &whole).await;
+    let answer: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert!(answer["usage"].is_null() && answer["choices"][0]["message"].is_object());
+}
+
+// --- Trace replays: the trace's prefix sharing, its window and its times. ---
+
+/// Two requests of a replayed trace share exactly the prefix their `hash_ids` say (a whole
+/// block of text per shared id), arrive at their timestamps divided by the speed-up, and a run
+/// with another seed replays another window of the trace.
+#[test]
+fn a_replayed_trace_keeps_its_prefix_sharing_and_its_times() {
+    use lab::trace::{Trace, load as load_trace};
+    use lab::workload::Scale;
+    let trace = Trace {
+        file: "conversation_trace.jsonl.gz",
+        about: "test",
+        window_seconds: 60.0,
+        speedup: 2.0,
+        tokens_per_block: 32,
+        output_scale: 0.5,
+        stream: false,
+    };
+    let lines = load_trace(trace.file).unwrap();
+    assert_eq!(lines.len(), 12_031);
+    let users = trace.users(5, Scale::FULL);
+    assert!(
+        users.len() > 100,
+        "{} requests in 60 s of trace",
+        users.len()
+    );
+    let prompt = |user: &load::User| -> String {
+        let body: serde_json::Value = serde_json::from_slice(&user.turns[0].request.body).unwrap();
+        assert_eq!(body["stream"], false);
+        body["messages"][0]["content"].as_str().unwrap().to_owned()
+    };
+    let window = trace.window(&lines, 5, Scale::FULL);
+    assert_eq!(window.len(), users.len());
+    let block_chars = 32 * 4;
+    let mut compared = 0;
+    for (i, (a_line, a)) in window.iter().zip(&users).enumerate().take(60) {
+        for (b_line, b) in window.iter().zip(&users).skip(i + 1).take(60) {
+            let shared = a_line
+                .hash_ids
+                .iter()
+                .zip(&b_line.hash_ids)
+                .take_while(|(x, y)| x == y)
+                .count();
+            let (pa, pb) = (prompt(a), prompt(b));
+            let common = pa
+                .bytes()
+                .zip(pb.bytes())
+                .take_while(|(x, y)| x == y)
+                .count();
+            let whole_blocks = (shared * block_chars).min(pa.len()).min(pb.len());
+            assert!(common >= whole_blocks, "{common} < {whole_blocks}");
+            if shared < a_line.hash_ids.len() && shared < b_line.hash_ids.len() {
+                assert!(
+                    common < whole_blocks + block_chars,
+                    "only the shared blocks match"
+                );
+            }
+            compared += usize::from(shared > 0);
+        }
+    }
+    assert!(compared > 0, "the window has requests that share blocks");
+    let at = |user: &load::User| user.start.as_secs_f64();
+    let (t0, t5) = (window[0].timestamp as f64, window[5].timestamp as f64);
+    assert!((at(&users[5]) - at(&users[0]) - (t5 - t0) / 1000.0 / 2.0).abs() < 1e-6);
+    assert_eq!(
+        users[5].turns[0].request.max_tokens,
+        ((window[5].output_length as f64 * 0.5).round() as u32).max(1)
+    );
+    let other = trace.users(6, Scale::FULL);
+    assert_ne!(
+        prompt(&other[0]),
+        prompt(&users[0]),
+        "another seed, another window"
+    );
 }

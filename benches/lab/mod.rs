@@ -3,15 +3,18 @@
 //!
 //! - [`sim`]: the simulated replica (also `examples/sim_replica.rs`).
 //! - [`load`]: open-loop Poisson, closed-loop and users load, one record per request.
-//! - [`workload`]: LLM chat workloads (tenants' multi-turn users, long documents).
+//! - [`workload`]: LLM chat workloads (tenants' multi-turn users, long documents), and
+//!   [`trace`]: production traces replayed with their real prefix structure.
 //! - [`scenarios`]: what each scenario sets up and how it is run against a peer.
-//! - [`peer`], [`router`], [`nginx`]: the router binary and nginx as child processes.
+//! - [`peer`], [`router`], [`nginx`], [`gateways`]: the router binary, nginx and the LLM routers
+//!   (SMG, the vLLM router, installed by the bench at pinned versions) as child processes.
 //! - [`report`]: numbers, tables, JSON and CDF plots.
 //!
 //! [`run_suite`] runs everything; `benches/suite.rs` is its command line and
 //! `tests/bench_smoke.rs` runs it in smoke mode. See `docs/benchmarks.md`.
 #![allow(dead_code)]
 
+pub mod gateways;
 pub mod load;
 pub mod nginx;
 pub mod peer;
@@ -19,6 +22,8 @@ pub mod report;
 pub mod router;
 pub mod scenarios;
 pub mod sim;
+pub mod summary;
+pub mod trace;
 pub mod workload;
 
 use std::path::{Path, PathBuf};
@@ -26,6 +31,7 @@ use std::time::Duration;
 
 use custom_router::strategies::REGISTRY;
 
+use self::gateways::GatewaySpec;
 use self::nginx::Balance;
 use self::peer::{PeerSpec, StrategySpec};
 
@@ -129,6 +135,12 @@ pub struct SuiteOptions {
     pub strategies: Vec<String>,
     /// Whether nginx takes part when it is installed.
     pub nginx: bool,
+    /// The LLM routers that take part (`smg:POLICY`, `vllm-router:POLICY`); empty with
+    /// `gateways` on: every one of [`GatewaySpec::defaults`].
+    pub gateway_specs: Vec<String>,
+    /// Whether the LLM routers take part (installed on first use; left out, with a note, when
+    /// they cannot be installed).
+    pub gateways: bool,
     /// The seed of the first run; run `i` uses `seed + i`.
     pub seed: u64,
     /// Runs, each with its own seed; numbers are medians over the runs.
@@ -152,7 +164,12 @@ pub async fn run_suite(options: &SuiteOptions) -> Result<SuiteReport, LabError> 
     } else {
         None
     };
-    let peers = peer_specs(&options.strategies, nginx_binary.as_deref())?;
+    let mut peers = peer_specs(&options.strategies, nginx_binary.as_deref())?;
+    let gateway_versions = if options.gateways {
+        add_gateways(&mut peers, &options.gateway_specs, &options.out_dir)?
+    } else {
+        None
+    };
     let work_dir = options.out_dir.join("work");
     std::fs::create_dir_all(&work_dir)?;
     let seeds: Vec<u64> = (0..options.runs.max(1) as u64)
@@ -181,7 +198,10 @@ pub async fn run_suite(options: &SuiteOptions) -> Result<SuiteReport, LabError> 
         command: options.command.clone(),
         date_utc: report::utc_now(),
         seeds,
-        machine: report::machine(nginx_binary.as_deref().map(nginx::version)),
+        machine: report::machine(
+            nginx_binary.as_deref().map(nginx::version),
+            gateway_versions,
+        ),
         scenarios: reports,
     })
 }
@@ -233,6 +253,37 @@ pub fn peer_specs(names: &[String], nginx: Option<&Path>) -> Result<Vec<PeerSpec
     Ok(peers)
 }
 
+/// Appends the LLM routers named in `names` (every default one when empty), installing them in
+/// `out_dir/gateways-venv` first; returns their versions. When they cannot be installed the
+/// suite runs without them and says why.
+fn add_gateways(
+    peers: &mut Vec<PeerSpec>,
+    names: &[String],
+    out_dir: &Path,
+) -> Result<Option<String>, LabError> {
+    let specs = if names.is_empty() {
+        GatewaySpec::defaults()
+    } else {
+        names
+            .iter()
+            .map(|name| GatewaySpec::parse(name))
+            .collect::<Result<_, _>>()?
+    };
+    let installed = match gateways::install(&out_dir.join("gateways-venv")) {
+        Ok(installed) => installed,
+        Err(error) => {
+            eprintln!("[bench] LLM routers left out: {error}");
+            return Ok(None);
+        }
+    };
+    let versions = installed.versions();
+    peers.extend(specs.into_iter().map(|spec| PeerSpec::Gateway {
+        installed: installed.clone(),
+        spec,
+    }));
+    Ok(Some(versions))
+}
+
 fn describe(scenario: &Scenario, mode: Mode) -> String {
     match &scenario.kind {
         Kind::Routing(routing) => routing.describe(mode),
@@ -270,7 +321,7 @@ fn print_progress(scenario: &str, seed: u64, outcomes: &[PeerOutcome]) {
                     .keys()
                     .filter_map(|key| key.strip_prefix("requests."))
                 {
-                    let shown: Vec<String> = report::CLASS_STEMS
+                    let shown: Vec<String> = summary::CLASS_STEMS
                         .iter()
                         .filter_map(|stem| {
                             let value = run.metrics.get(&format!("{stem}.{class}"))?;

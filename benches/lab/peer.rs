@@ -1,4 +1,5 @@
-//! What a scenario sends its traffic through: the router with one strategy, or nginx.
+//! What a scenario sends its traffic through: the router with one strategy, nginx, or an LLM
+//! router (SMG, the vLLM router).
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -8,6 +9,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 
 use super::LabError;
+use super::gateways::{GatewayProcess, GatewaySpec, Installed};
 use super::load::http_client;
 use super::nginx::{Balance, NginxProcess};
 use super::router::{ProcessUsage, RouterProcess};
@@ -19,6 +21,11 @@ pub enum PeerSpec {
     Strategy(StrategySpec),
     /// nginx from this executable with this balancing method.
     Nginx { binary: PathBuf, balance: Balance },
+    /// An LLM router (SMG or the vLLM router) with one of its policies.
+    Gateway {
+        installed: Installed,
+        spec: GatewaySpec,
+    },
 }
 
 impl PeerSpec {
@@ -34,7 +41,15 @@ impl PeerSpec {
                 balance: Balance::LeastConn,
                 ..
             } => "nginx-least-conn".to_owned(),
+            PeerSpec::Gateway { spec, .. } => spec.label(),
         }
+    }
+
+    /// Whether the peer retries a failed request on another backend on its own (the LLM
+    /// routers do by default; the router retries within its retry budget, nginx on connection
+    /// errors only).
+    pub fn is_gateway(&self) -> bool {
+        matches!(self, PeerSpec::Gateway { .. })
     }
 
     /// Starts the peer proxying to `backends`. `work_dir` holds nginx's files. A router writes
@@ -88,6 +103,9 @@ impl PeerSpec {
                 let nginx = NginxProcess::start(binary, &dir, *balance, backends).await?;
                 Ok(RunningPeer::Nginx(nginx))
             }
+            PeerSpec::Gateway { installed, spec } => Ok(RunningPeer::Gateway(
+                GatewayProcess::start(installed, spec, backends).await?,
+            )),
         }
     }
 }
@@ -174,6 +192,8 @@ pub enum RunningPeer {
     Router(RouterProcess),
     /// nginx.
     Nginx(NginxProcess),
+    /// An LLM router.
+    Gateway(GatewayProcess),
 }
 
 impl RunningPeer {
@@ -182,6 +202,7 @@ impl RunningPeer {
         match self {
             RunningPeer::Router(router) => router.addr,
             RunningPeer::Nginx(nginx) => nginx.addr,
+            RunningPeer::Gateway(gateway) => gateway.addr,
         }
     }
 
@@ -190,6 +211,7 @@ impl RunningPeer {
         match self {
             RunningPeer::Router(router) => router.pid(),
             RunningPeer::Nginx(nginx) => nginx.pid(),
+            RunningPeer::Gateway(gateway) => gateway.pid(),
         }
     }
 
@@ -199,6 +221,7 @@ impl RunningPeer {
         match self {
             RunningPeer::Router(router) => router.exited(),
             RunningPeer::Nginx(nginx) => nginx.exited(),
+            RunningPeer::Gateway(gateway) => gateway.exited(),
         }
     }
 
@@ -212,6 +235,7 @@ impl RunningPeer {
         match self {
             RunningPeer::Router(router) => post_backends(router.addr, backends).await,
             RunningPeer::Nginx(nginx) => nginx.set_backends(backends).await,
+            RunningPeer::Gateway(gateway) => gateway.set_backends(backends).await,
         }
     }
 
@@ -220,6 +244,7 @@ impl RunningPeer {
         let _ = tokio::task::spawn_blocking(move || match self {
             RunningPeer::Router(router) => router.stop(),
             RunningPeer::Nginx(nginx) => nginx.stop(),
+            RunningPeer::Gateway(gateway) => gateway.stop(),
         })
         .await;
     }

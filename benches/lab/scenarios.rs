@@ -22,8 +22,9 @@ use std::time::Duration;
 
 use super::load::{self, Class, ClosedLoop, Lengths, OpenLoop, Planned, Record};
 use super::peer::PeerSpec;
-use super::report::{self, Metrics, Slo};
 use super::sim::{self, Batching, Faults, SimConfig, SimHandle, SimStats};
+use super::summary::{self, Metrics, Slo};
+use super::trace::Trace;
 use super::workload::{Chat, Documents, Scale, Workload};
 use super::{LabError, Mode};
 
@@ -205,6 +206,8 @@ pub fn all() -> Vec<Scenario> {
         prefix_session(),
         long_context(),
         engine_scale(),
+        trace_conversation(),
+        trace_synthetic(),
         overhead(),
     ]
 }
@@ -668,6 +671,7 @@ fn tenants_chat(session_header: bool) -> Workload {
         think_seconds: (1.0, 4.0),
         start_within: 15.0,
         session_header,
+        stream: true,
     })
 }
 
@@ -731,13 +735,9 @@ fn long_context() -> Scenario {
                 min: 50,
                 max: 1_000,
             },
+            stream: true,
         }),
-        // A first token within 2 s plus twice the prefill of the prompt on an idle replica.
-        Slo {
-            ttft_seconds: 2.0,
-            ttft_seconds_per_prompt_token: 0.000_1,
-            tpot_seconds: 0.100,
-        },
+        LONG_PROMPT_SLO,
     );
     Scenario {
         name: "long-context",
@@ -781,9 +781,68 @@ fn engine_scale() -> Scenario {
                 think_seconds: (1.0, 3.0),
                 start_within: 5.0,
                 session_header: false,
+                stream: true,
             }),
             CHAT_SLO,
         ))),
+    }
+}
+
+/// The SLO of the long-prompt scenarios: a first token within 2 s plus twice the prefill of the
+/// prompt on an idle replica, then 100 ms a token on average.
+const LONG_PROMPT_SLO: Slo = Slo {
+    ttft_seconds: 2.0,
+    ttft_seconds_per_prompt_token: 0.000_1,
+    tpot_seconds: 0.100,
+};
+
+/// The replicas of the trace replays: 4 engines of 32 sequences, KV cache for about 30 of the
+/// replayed prompts, a prefix cache of 60,000 tokens (about 20 of them).
+fn trace_replicas(trace: Trace) -> Routing {
+    Routing {
+        classifier: Some(Classifier {
+            names: &["short", "long"],
+            about: "short: prompts under 2,000 tokens as replayed; long: the others",
+            class_of: prompt_class,
+        }),
+        ..llm(
+            4,
+            llm_engine(32, 100_000, 60_000),
+            Workload::Trace(trace),
+            LONG_PROMPT_SLO,
+        )
+    }
+}
+
+fn trace_conversation() -> Scenario {
+    Scenario {
+        name: "trace-conversation",
+        models: "A production trace replayed: Mooncake's conversation workload (Kimi's online chat, multi-turn conversations resending their history), every request at its time with the trace's real prompt sharing; about a fifth of a window's prompt tokens are held by earlier requests.",
+        kind: Kind::Routing(Box::new(trace_replicas(Trace {
+            file: "conversation_trace.jsonl.gz",
+            about: "Mooncake conversation trace",
+            window_seconds: 300.0,
+            speedup: 4.5,
+            tokens_per_block: 128,
+            output_scale: 0.25,
+            stream: true,
+        }))),
+    }
+}
+
+fn trace_synthetic() -> Scenario {
+    Scenario {
+        name: "trace-synthetic",
+        models: "A trace replayed: Mooncake's synthetic workload (multi-turn conversations from public datasets in their order, Poisson arrivals, long prompts), every request at its time with the trace's real prompt sharing; over the whole trace two thirds of the prompt tokens are held by earlier requests.",
+        kind: Kind::Routing(Box::new(trace_replicas(Trace {
+            file: "synthetic_trace.jsonl.gz",
+            about: "Mooncake synthetic trace",
+            window_seconds: 300.0,
+            speedup: 4.0,
+            tokens_per_block: 128,
+            output_scale: 0.25,
+            stream: true,
+        }))),
     }
 }
 
@@ -1294,11 +1353,11 @@ async fn run_routing(
     }
     let names: Vec<String> = routing.replicas.iter().map(|r| r.name.clone()).collect();
     let slo = routing.slo.scaled(routing.time_compression(context.mode));
-    let mut metrics = report::summarize(&records, &names, &slo);
+    let mut metrics = summary::summarize(&records, &names, &slo);
     let classes = routing.class_names();
     if !classes.is_empty() {
         let class_of = |record: &Record| routing.class_of(record);
-        metrics.extend(report::summarize_classes(
+        metrics.extend(summary::summarize_classes(
             &records, &classes, class_of, &slo,
         ));
     }
@@ -1588,8 +1647,8 @@ fn add_closed_loop_metrics(
         (records.len() - latencies.len()) as f64,
     );
     if let (Some(p50), Some(p99)) = (
-        report::percentile(&latencies, 0.50),
-        report::percentile(&latencies, 0.99),
+        summary::percentile(&latencies, 0.50),
+        summary::percentile(&latencies, 0.99),
     ) {
         metrics.insert(format!("p50_us_c{concurrency}"), p50 * 1e6);
         metrics.insert(format!("p99_us_c{concurrency}"), p99 * 1e6);

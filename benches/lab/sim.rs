@@ -73,7 +73,7 @@ pub mod prefix_cache;
 pub mod prompt;
 
 use self::prefix_cache::PrefixCache;
-use self::prompt::{Prompt, TOKEN_TEXT};
+use self::prompt::{Prompt, TOKEN_TEXT, answer_text};
 
 /// The header naming the replica that answered.
 pub const REPLICA_HEADER: &str = "x-sim-replica";
@@ -136,6 +136,10 @@ pub struct SimConfig {
     pub seed: u64,
     /// Injected faults.
     pub faults: Faults,
+    /// Whether answers carry OpenAI's `usage` (prompt, completion and cached prompt tokens): in a
+    /// whole answer's document, and as a last event before `[DONE]` in a stream (vLLM with
+    /// `--enable-force-include-usage`).
+    pub usage: bool,
 }
 
 /// How the requests holding a slot are timed.
@@ -172,6 +176,7 @@ impl Default for SimConfig {
             batching: Batching::PerRequest,
             seed: 1,
             faults: Faults::default(),
+            usage: false,
         }
     }
 }
@@ -437,10 +442,64 @@ struct Ask {
     max_tokens: u32,
     stream: bool,
     prompt: Prompt,
+    api: Api,
+}
+
+/// The API a request speaks, which shapes its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Api {
+    /// TGI's `/generate`: `generated_text`, token events.
+    Tgi,
+    /// OpenAI's `/v1/...`: `choices`, chunk events, `usage` when the replica sends it.
+    OpenAi,
+}
+
+impl Api {
+    fn of_path(path: &str) -> Self {
+        if path.starts_with("/v1/") {
+            Api::OpenAi
+        } else {
+            Api::Tgi
+        }
+    }
+}
+
+/// What a finished answer reports in OpenAI's `usage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens found in the prefix cache (`prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: u64,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+}
+
+impl Usage {
+    fn document(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + u64::from(self.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+
+    /// The last event of a stream that reports usage (no choices).
+    pub(crate) fn event(self) -> Bytes {
+        let chunk = json!({
+            "id": "sim",
+            "object": "chat.completion.chunk",
+            "model": "sim",
+            "choices": [],
+            "usage": self.document(),
+        });
+        Bytes::from(format!("data: {chunk}\n\n"))
+    }
 }
 
 impl Ask {
-    fn parse(body: &[u8], default_max_tokens: u32) -> Self {
+    fn parse(body: &[u8], default_max_tokens: u32, api: Api) -> Self {
         let value: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let max_tokens = value["max_tokens"]
             .as_u64()
@@ -451,6 +510,7 @@ impl Ask {
             max_tokens,
             stream,
             prompt: Prompt::of_body(&value),
+            api,
         }
     }
 }
@@ -464,18 +524,25 @@ enum Fate {
 
 async fn handle(state: Arc<SimState>, request: Request<Incoming>) -> Response<SimBody> {
     if request.method() == http::Method::GET {
-        match request.uri().path() {
-            "/metrics" => return state.text(state.metrics_text()),
-            "/info" => {
-                return state.json(
-                    StatusCode::OK,
-                    json!({"model_id": "sim", "max_concurrent_requests": state.config.slots}),
-                );
-            }
-            _ => {}
-        }
+        return match request.uri().path() {
+            "/metrics" => state.text(state.metrics_text()),
+            "/info" => state.json(
+                StatusCode::OK,
+                json!({"model_id": "sim", "max_concurrent_requests": state.config.slots}),
+            ),
+            "/health" => state.text(String::new()),
+            "/version" => state.json(StatusCode::OK, json!({"version": "sim"})),
+            "/v1/models" => state.json(StatusCode::OK, models_document(&state.config)),
+            _ => state.json(StatusCode::NOT_FOUND, json!({"error": "not found"})),
+        };
     }
-    SimStats::bump(&state.stats.received);
+    let path = request.uri().path();
+    let tokenize = match path {
+        "/tokenize" => Some(Tokenize::Tokenize),
+        "/v1/chat/completions/render" | "/v1/completions/render" => Some(Tokenize::Render),
+        _ => None,
+    };
+    let api = Api::of_path(path);
     let body = match Limited::new(request.into_body(), MAX_REQUEST_BODY)
         .collect()
         .await
@@ -483,7 +550,11 @@ async fn handle(state: Arc<SimState>, request: Request<Incoming>) -> Response<Si
         Ok(collected) => collected.to_bytes(),
         Err(_) => return state.json(StatusCode::PAYLOAD_TOO_LARGE, json!({"error": "body"})),
     };
-    let ask = Ask::parse(&body, state.config.default_max_tokens);
+    if let Some(kind) = tokenize {
+        return state.json(StatusCode::OK, tokenize_document(kind, &body));
+    }
+    SimStats::bump(&state.stats.received);
+    let ask = Ask::parse(&body, state.config.default_max_tokens, api);
     match state.draw_fate() {
         Fate::Fail => return state.fail().await,
         Fate::Hang => return state.hang().await,
@@ -512,6 +583,8 @@ struct Admission {
     stats: Arc<SimStats>,
     _kv: Option<OwnedSemaphorePermit>,
     reserved_tokens: u64,
+    /// Prompt tokens (at least one).
+    prompt_tokens: u64,
     /// Prompt tokens to prefill (those not found in the prefix cache; at least one).
     uncached_tokens: u64,
     /// The hash chain of the prompt's full blocks (empty without a prefix cache).
@@ -520,6 +593,17 @@ struct Admission {
     /// while it runs (those found at admission, then all once its prefill stored them).
     cache: Arc<Mutex<PrefixCache>>,
     pinned: AtomicUsize,
+}
+
+impl Admission {
+    /// The usage of its answer once `generated` tokens are out.
+    fn usage(&self, generated: u32) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.prompt_tokens - self.uncached_tokens,
+            completion_tokens: generated,
+        }
+    }
 }
 
 impl Drop for Admission {
@@ -598,6 +682,7 @@ impl SimState {
             stats: Arc::clone(stats),
             _kv: kv,
             reserved_tokens,
+            prompt_tokens: tokens,
             uncached_tokens: tokens - cached,
             chain,
             cache: Arc::clone(&self.cache),
@@ -805,18 +890,41 @@ impl SimState {
             return closing_response(&self.config.name);
         }
         SimStats::bump(&self.stats.completed);
-        self.whole_answer(ask.max_tokens)
+        self.whole_answer(ask.api, slot.admission.usage(ask.max_tokens))
     }
 
-    /// The JSON document of a whole answer of `tokens` tokens.
-    fn whole_answer(&self, tokens: u32) -> Response<SimBody> {
-        self.json(
-            StatusCode::OK,
-            json!({
-                "generated_text": TOKEN_TEXT.repeat(tokens as usize),
-                "details": {"generated_tokens": tokens, "finish_reason": "length"},
+    /// The JSON document of a whole answer: TGI's, or OpenAI's chat completion (with `usage`
+    /// when the replica sends it).
+    fn whole_answer(&self, api: Api, usage: Usage) -> Response<SimBody> {
+        let text = answer_text(usage.completion_tokens);
+        let document = match api {
+            Api::Tgi => json!({
+                "generated_text": text,
+                "details": {"generated_tokens": usage.completion_tokens, "finish_reason": "length"},
             }),
-        )
+            Api::OpenAi => {
+                let mut document = json!({
+                    "id": "sim",
+                    "object": "chat.completion",
+                    "model": "sim",
+                    "choices": [{
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length",
+                    }],
+                });
+                if self.config.usage {
+                    document["usage"] = usage.document();
+                }
+                document
+            }
+        };
+        self.json(StatusCode::OK, document)
+    }
+
+    /// The event that ends a stream before `[DONE]`: its usage, when the replica reports it.
+    pub(crate) fn usage_event(&self, api: Api, usage: Usage) -> Option<Bytes> {
+        (self.config.usage && api == Api::OpenAi).then(|| usage.event())
     }
 
     fn stream(self: &Arc<Self>, ask: Ask) -> Response<SimBody> {
@@ -826,8 +934,14 @@ impl SimState {
             let slot = state.take_slot(&ask).await;
             let sink = EventSink {
                 sender: sender.clone(),
+                api: ask.api,
             };
             if state.decode(&ask, &slot, sink).await {
+                if let Some(event) =
+                    state.usage_event(ask.api, slot.admission.usage(ask.max_tokens))
+                {
+                    let _ = sender.send(Ok(event));
+                }
                 if sender
                     .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
                     .is_ok()
@@ -859,10 +973,10 @@ impl SimState {
         ask: Ask,
     ) -> Response<SimBody> {
         let (sender, receiver) = oneshot::channel();
-        let tokens = ask.max_tokens;
+        let api = ask.api;
         self.submit(engine, ask, engine::Output::Whole(sender));
         match receiver.await {
-            Ok(true) => self.whole_answer(tokens),
+            Ok(Some(usage)) => self.whole_answer(api, usage),
             _ => closing_response(&self.config.name),
         }
     }
@@ -877,6 +991,7 @@ impl SimState {
         let job = engine::Job {
             prompt: ask.prompt,
             max_tokens: ask.max_tokens,
+            api: ask.api,
             output,
         };
         if engine.send(job).is_err() {
@@ -983,19 +1098,74 @@ impl AsyncTokenSink for NoSink {
 /// Sends one server-sent event per token.
 struct EventSink {
     sender: mpsc::UnboundedSender<Result<Bytes, ClosedMidStream>>,
+    api: Api,
 }
 
 impl AsyncTokenSink for EventSink {
     async fn token(&mut self, index: u32) -> bool {
-        self.sender.send(Ok(token_event(index))).is_ok()
+        self.sender.send(Ok(token_event(self.api, index))).is_ok()
     }
 }
 
-/// The server-sent event of token `index`.
-fn token_event(index: u32) -> Bytes {
-    Bytes::from(format!(
-        "data: {{\"token\":{{\"id\":{index},\"text\":\"{TOKEN_TEXT}\",\"logprob\":0.0,\"special\":false}},\"generated_text\":null}}\n\n"
-    ))
+/// The server-sent event of token `index`: TGI's token event, or OpenAI's chat chunk.
+fn token_event(api: Api, index: u32) -> Bytes {
+    match api {
+        Api::Tgi => Bytes::from(format!(
+            "data: {{\"token\":{{\"id\":{index},\"text\":\"{TOKEN_TEXT}\",\"logprob\":0.0,\"special\":false}},\"generated_text\":null}}\n\n"
+        )),
+        Api::OpenAi => Bytes::from(format!(
+            "data: {{\"id\":\"sim\",\"object\":\"chat.completion.chunk\",\"model\":\"sim\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{TOKEN_TEXT}\"}},\"finish_reason\":null}}]}}\n\n"
+        )),
+    }
+}
+
+/// `GET /v1/models`: the one model the replica serves, as vLLM lists it.
+fn models_document(config: &SimConfig) -> Value {
+    json!({
+        "object": "list",
+        "data": [{
+            "id": "sim",
+            "object": "model",
+            "owned_by": "vllm",
+            "root": "sim",
+            "max_model_len": config.kv_capacity_tokens.unwrap_or(131_072),
+        }],
+    })
+}
+
+/// The two ways vLLM tells a router a prompt's tokens.
+#[derive(Debug, Clone, Copy)]
+enum Tokenize {
+    /// `POST /tokenize`: `{"count", "max_model_len", "tokens"}`.
+    Tokenize,
+    /// `POST /v1/chat/completions/render` and `/v1/completions/render`: `{"token_ids"}`.
+    Render,
+}
+
+/// The prompt of a body (`prompt` or chat `messages`, as a generation request's) as token ids,
+/// one per [`prompt::CHARS_PER_TOKEN`] bytes, each the hash of its bytes, so equal text gives
+/// equal ids.
+fn tokenize_document(kind: Tokenize, body: &[u8]) -> Value {
+    let value: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let prompt = Prompt::of_body(&value);
+    let tokens: Vec<u32> = prompt
+        .text
+        .as_bytes()
+        .chunks(prompt::CHARS_PER_TOKEN)
+        .map(|chunk| {
+            let mut hash = 0x811c_9dc5_u32;
+            for &byte in chunk {
+                hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+            }
+            hash % 150_000
+        })
+        .collect();
+    match kind {
+        Tokenize::Tokenize => {
+            json!({"count": tokens.len(), "max_model_len": 131_072, "tokens": tokens})
+        }
+        Tokenize::Render => json!({"token_ids": tokens}),
+    }
 }
 
 /// A body fed from a channel: each item becomes one data frame or ends the body with an error.

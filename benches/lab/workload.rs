@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 
 use super::load::{Lengths, Outgoing, Turn, User};
 use super::sim::prompt::{CHARS_PER_TOKEN, Prompt, answer_text};
+use super::trace::Trace;
 
 /// The header naming a request's conversation in session workloads (the `affinity` strategy's
 /// default).
@@ -37,6 +38,8 @@ pub enum Workload {
     Chat(Chat),
     /// Single requests, short chats and long documents.
     Documents(Documents),
+    /// A production trace replayed (see `trace.rs`).
+    Trace(Trace),
 }
 
 /// Tenants' users in multi-turn conversations.
@@ -62,6 +65,8 @@ pub struct Chat {
     pub start_within: f64,
     /// Whether requests carry [`SESSION_HEADER`] (`t<tenant>-u<user>`).
     pub session_header: bool,
+    /// Whether requests ask for a stream.
+    pub stream: bool,
 }
 
 /// Single requests: short chats and long documents.
@@ -79,6 +84,8 @@ pub struct Documents {
     pub short_prompt_tokens: (u32, u32),
     /// Tokens of each answer.
     pub answer_tokens: Lengths,
+    /// Whether requests ask for a stream.
+    pub stream: bool,
 }
 
 /// How a mode shrinks a workload: fewer users, and time compressed (the replicas run faster by
@@ -106,6 +113,7 @@ impl Workload {
         match self {
             Workload::Chat(chat) => chat.users(&mut rng, scale),
             Workload::Documents(documents) => documents.users(&mut rng, scale),
+            Workload::Trace(trace) => trace.users(seed, scale),
         }
     }
 
@@ -114,6 +122,7 @@ impl Workload {
         match self {
             Workload::Chat(chat) => chat.describe(scale),
             Workload::Documents(documents) => documents.describe(scale),
+            Workload::Trace(trace) => trace.describe(scale),
         }
     }
 }
@@ -156,7 +165,7 @@ impl Chat {
             let session = self.session_header.then_some(session);
             turns.push(Turn {
                 think: Duration::from_secs_f64(think),
-                request: chat_request(&messages, max_tokens, session),
+                request: chat_request(&messages, max_tokens, session, self.stream),
             });
             messages.push(json!({"role": "assistant", "content": answer_text(max_tokens)}));
         }
@@ -216,7 +225,7 @@ impl Documents {
                 start: Duration::from_secs_f64(at),
                 turns: vec![Turn {
                     think: Duration::ZERO,
-                    request: chat_request(&messages, max_tokens, None),
+                    request: chat_request(&messages, max_tokens, None, self.stream),
                 }],
             });
         }
@@ -245,13 +254,18 @@ fn range_text((low, high): (u32, u32)) -> String {
     }
 }
 
-/// A streamed chat completion of `messages`.
-fn chat_request(messages: &[Value], max_tokens: u32, session: Option<&str>) -> Outgoing {
+/// A chat completion of `messages`, streamed or not.
+pub fn chat_request(
+    messages: &[Value],
+    max_tokens: u32,
+    session: Option<&str>,
+    stream: bool,
+) -> Outgoing {
     let body = json!({
         "model": "sim",
         "messages": messages,
         "max_tokens": max_tokens,
-        "stream": true,
+        "stream": stream,
     });
     let prompt_tokens = Prompt::of_body(&body).tokens();
     let headers = session
@@ -264,13 +278,13 @@ fn chat_request(messages: &[Value], max_tokens: u32, session: Option<&str>) -> O
         body: Bytes::from(body.to_string()),
         headers,
         max_tokens,
-        stream: true,
+        stream,
         prompt_tokens,
     }
 }
 
 /// `tokens` tokens of pseudo-random lowercase words.
-fn text(rng: &mut fastrand::Rng, tokens: u32) -> String {
+pub fn text(rng: &mut fastrand::Rng, tokens: u32) -> String {
     let length = tokens as usize * CHARS_PER_TOKEN;
     let mut text = String::with_capacity(length);
     while text.len() < length {

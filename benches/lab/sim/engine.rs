@@ -34,6 +34,8 @@ pub(super) struct Job {
     pub prompt: Prompt,
     /// Tokens to generate.
     pub max_tokens: u32,
+    /// The API it speaks (the shape of its events).
+    pub api: super::Api,
     /// Where its tokens go.
     pub output: Output,
 }
@@ -42,8 +44,8 @@ pub(super) struct Job {
 pub(super) enum Output {
     /// One server-sent event per token, then `[DONE]`.
     Stream(mpsc::UnboundedSender<Result<Bytes, ClosedMidStream>>),
-    /// Told once, at the end: true when every token was generated.
-    Whole(oneshot::Sender<bool>),
+    /// Told once, at the end: the answer's usage when every token was generated.
+    Whole(oneshot::Sender<Option<super::Usage>>),
 }
 
 impl Output {
@@ -212,7 +214,12 @@ fn advance(state: &SimState, sequence: &mut Sequence) -> After {
         return After::Running;
     }
     if sequence.generated < sequence.job.max_tokens {
-        if !emit(state, &sequence.job.output, sequence.generated) {
+        if !emit(
+            state,
+            &sequence.job.output,
+            sequence.job.api,
+            sequence.generated,
+        ) {
             return After::Dropped;
         }
         sequence.generated += 1;
@@ -232,11 +239,17 @@ fn finish(state: &SimState, sequence: Sequence) {
         sequence.generated,
         &sequence.admission,
     );
+    let usage = sequence.admission.usage(sequence.generated);
     let delivered = match sequence.job.output {
-        Output::Stream(sender) => sender
-            .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
-            .is_ok(),
-        Output::Whole(sender) => sender.send(true).is_ok(),
+        Output::Stream(sender) => {
+            if let Some(event) = state.usage_event(sequence.job.api, usage) {
+                let _ = sender.send(Ok(event));
+            }
+            sender
+                .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+                .is_ok()
+        }
+        Output::Whole(sender) => sender.send(Some(usage)).is_ok(),
     };
     if delivered {
         SimStats::bump(&state.stats.completed);
@@ -245,7 +258,7 @@ fn finish(state: &SimState, sequence: Sequence) {
 
 /// Sends token `index`, or closes the answer when the replica is set to; false when the answer
 /// ends here (closed on purpose, or the client is gone).
-fn emit(state: &SimState, output: &Output, index: u32) -> bool {
+fn emit(state: &SimState, output: &Output, api: super::Api, index: u32) -> bool {
     if state.config.faults.close_after_tokens == Some(index) {
         SimStats::bump(&state.stats.closed_mid_stream);
         if let Output::Stream(sender) = output {
@@ -255,7 +268,7 @@ fn emit(state: &SimState, output: &Output, index: u32) -> bool {
     }
     state.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
     match output {
-        Output::Stream(sender) => sender.send(Ok(token_event(index))).is_ok(),
+        Output::Stream(sender) => sender.send(Ok(token_event(api, index))).is_ok(),
         Output::Whole(sender) => !sender.is_closed(),
     }
 }

@@ -20,7 +20,7 @@ use crate::forwarding::RequestHead;
 use crate::metrics::RetryReason;
 use crate::observed::Observation;
 use crate::pool::Failure;
-use crate::traces::AttemptSpan;
+use crate::traces::{AttemptSpan, RequestSpan};
 use crate::upstream::UpstreamClient;
 
 /// Attempt `number` leaves on `lease`: noted in the access log and span (the span's
@@ -47,23 +47,15 @@ pub(super) fn dispatch(
             uncached_tokens,
         );
     }
-    let span = seen.span.as_ref().map(|span| {
-        let continues_client_trace = span.continues_client_trace();
-        let backend = lease.backend();
-        let span = span.attempt(
-            request.head.method.as_str(),
+    let span = seen.span.as_ref().map(|server| {
+        let span = attempt_span(
+            server,
+            balancer,
+            &mut request.head,
+            lease,
             number,
-            crate::traces::Decision {
-                strategy: balancer.strategy().name(),
-                backend: backend.addr().as_str(),
-                in_flight: backend.in_flight(),
-                ewma_latency: backend.ewma_latency(),
-                uncached_tokens,
-            },
+            uncached_tokens,
         );
-        request
-            .head
-            .set_traceparent(&span.traceparent(), continues_client_trace);
         // Boxed: the span is large, and the proxy's future carries it across the attempt.
         Box::new(span)
     });
@@ -73,6 +65,32 @@ pub(super) fn dispatch(
     balancer.metrics().dispatched.add(1, &[]);
     let head = &request.head;
     tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %lease.backend().addr(), attempt = number, "proxying request");
+    span
+}
+
+/// The client span of attempt `number`, with the routing decision that chose its backend; the
+/// head carries it as the backend's `traceparent`.
+fn attempt_span(
+    server: &RequestSpan,
+    balancer: &Balancer,
+    head: &mut RequestHead,
+    lease: &Lease,
+    number: u32,
+    uncached_tokens: Option<u64>,
+) -> AttemptSpan {
+    let backend = lease.backend();
+    let span = server.attempt(
+        head.method.as_str(),
+        number,
+        crate::traces::Decision {
+            strategy: balancer.strategy().name(),
+            backend: backend.addr().as_str(),
+            in_flight: backend.in_flight(),
+            ewma_latency: backend.ewma_latency(),
+            uncached_tokens,
+        },
+    );
+    head.set_traceparent(&span.traceparent(), server.continues_client_trace());
     span
 }
 

@@ -23,7 +23,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::strategies::{RequestInfo, Strategy};
+    use crate::strategies::{Pick, RequestInfo, Strategy};
 
     const THRESHOLD: f64 = 3.0;
 
@@ -45,7 +45,7 @@ mod tests {
         Arc::new(backend)
     }
 
-    fn pick(strategy: &QueuedLeastLatency, set: &[Arc<Backend>]) -> Option<usize> {
+    fn pick(strategy: &QueuedLeastLatency, set: &[Arc<Backend>]) -> Option<Pick> {
         strategy.pick(&RequestInfo::default(), set.into())
     }
 
@@ -53,7 +53,7 @@ mod tests {
     fn rule1_never_measured_and_idle_is_probed_first() {
         let set = [backend(Some(0.01), 0, 10), backend(None, 0, 0)];
         assert_eq!(strategy().score(&set[1]), Some(0.0));
-        assert_eq!(pick(&strategy(), &set), Some(1));
+        assert_eq!(pick(&strategy(), &set), Some(Pick::at(1)));
     }
 
     #[test]
@@ -67,7 +67,7 @@ mod tests {
     fn rule3_measured_and_idle_is_a_candidate_even_above_the_threshold() {
         let set = [backend(Some(10.0), 0, 1), backend(None, 1, 0)];
         assert_eq!(strategy().score(&set[0]), Some(10.0));
-        assert_eq!(pick(&strategy(), &set), Some(0));
+        assert_eq!(pick(&strategy(), &set), Some(Pick::at(0)));
     }
 
     #[test]
@@ -93,10 +93,10 @@ mod tests {
             backend(Some(0.2), 3, 5),
             backend(Some(0.9), 0, 5),
         ];
-        assert_eq!(pick(&strategy, &set), Some(1));
+        assert_eq!(pick(&strategy, &set), Some(Pick::at(1)));
 
         let set = [backend(Some(0.2), 2, 5), backend(Some(0.2), 1, 5)];
-        assert_eq!(pick(&strategy, &set), Some(1));
+        assert_eq!(pick(&strategy, &set), Some(Pick::at(1)));
 
         let set = [
             backend(Some(0.2), 1, 5),
@@ -104,7 +104,9 @@ mod tests {
             backend(Some(0.2), 1, 5),
             backend(Some(0.2), 1, 5),
         ];
-        let picks: Vec<_> = (0..6).map(|_| pick(&strategy, &set).unwrap()).collect();
+        let picks: Vec<_> = (0..6)
+            .map(|_| pick(&strategy, &set).unwrap().index)
+            .collect();
         let mut counts = [0; 4];
         for index in &picks {
             counts[*index] += 1;

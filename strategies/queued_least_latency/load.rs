@@ -17,7 +17,7 @@ use super::QueuedLeastLatency;
 use crate::backend::Backend;
 use crate::engine_metrics::EngineSnapshot;
 use crate::prompt::Prompt;
-use crate::strategies::{Candidates, FirstByte, Outcome, RequestInfo, next_generation};
+use crate::strategies::{Candidates, FirstByte, Outcome, Pick, RequestInfo, next_generation};
 
 /// Index of streamed answers' cost.
 const STREAMED: usize = 0;
@@ -762,9 +762,8 @@ impl QueuedLeastLatency {
     /// never applies. The expected end on a backend is its output tokens at the backend's
     /// speed (relative cost × the fleet's seconds per token) plus the prefill of its uncached
     /// prompt tokens, and on a full backend the wait for a slot: a typical request's tokens
-    /// over its slots for each request ahead of it inside. Returns the backend's index and
-    /// whether it is past its limit (the request is then noted as sent past it,
-    /// [`RequestInfo::send_past_limit`]).
+    /// over its slots for each request ahead of it inside. Returns the backend, past its limit
+    /// ([`Pick::past_limit`]) when it is full.
     pub(super) fn overflow(
         &self,
         chosen: &Backend,
@@ -772,7 +771,7 @@ impl QueuedLeastLatency {
         generation: u64,
         fleet: &Fleet,
         demand: &Demand<'_>,
-    ) -> Option<(usize, bool)> {
+    ) -> Option<Pick> {
         let fastest = demand.fastest?;
         if demand.output < OVERFLOW_LENGTH * demand.typical_output {
             return None;
@@ -825,7 +824,10 @@ impl QueuedLeastLatency {
             let time = end(backend, rank, relative, full);
             if time < best {
                 best = time;
-                found = Some((index, full));
+                found = Some(Pick {
+                    index,
+                    past_limit: full,
+                });
             }
         }
         found
@@ -1493,7 +1495,11 @@ mod tests {
                 strategy.learn_first_byte(&replica, &first_byte_on(&replica, 0.02, 0, 0));
             }
             busy(&replica, admitted - 1);
-            assert_eq!(strategy.pick(&request, (&set).into()), Some(0), "{limit}");
+            assert_eq!(
+                strategy.pick(&request, (&set).into()),
+                Some(Pick::at(0)),
+                "{limit}"
+            );
             busy(&replica, 1);
             assert_eq!(strategy.pick(&request, (&set).into()), None, "{limit}");
         }
@@ -1528,9 +1534,9 @@ mod tests {
         let cold = chat(&"A new tenant's system prompt. ".repeat(400), "hello");
         let cached = tenant_chat_cached_on(&replica, "eleven");
         assert_eq!(strategy.pick(&cold, (&set).into()), None);
-        assert_eq!(strategy.pick(&cached, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&cached, (&set).into()), Some(Pick::at(0)));
         busy(&replica, 1);
-        assert_eq!(strategy.pick(&cached, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&cached, (&set).into()), Some(Pick::at(0)));
     }
 
     #[tokio::test(start_paused = true)]
@@ -1550,16 +1556,16 @@ mod tests {
         // While its last answer is an error, the request goes to the healthy replica past its
         // ceiling (a wait of a few steps there) rather than to a likely error.
         broken.record_failure_in_a_row();
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         // A replica that is only slower is not passed over that way: the ceiling holds.
         broken.reset_failures_in_a_row();
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
         // At the healthy replica's limit, the failing one is what there is.
         broken.record_failure_in_a_row();
         while (healthy.in_flight() as f64) + 1.0 <= strategy.limit(&healthy) {
             busy(&healthy, 1);
         }
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
     }
 
     #[test]
@@ -1572,14 +1578,14 @@ mod tests {
         // A short chat goes where the least work waits.
         assert_eq!(
             strategy.pick(&chat("Be brief.", "hi"), (&set).into()),
-            Some(1)
+            Some(Pick::at(1))
         );
         // A 30,000-token document, cached nowhere, holds up every stream of the replica it is
         // prefilled on: it goes to the one with 4 streams, not 10.
         let document = "A long contract to summarise, clause after clause. ".repeat(2_400);
         let request = chat("Summarise.", &document);
         assert!(request.prompt_tokens() > 25_000);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
     }
 
     #[test]
@@ -1601,10 +1607,10 @@ mod tests {
         // Its prefill would stall the fewest streams on A, but A already has 60,000 tokens to
         // prefill: more than 1.25 × the mean with this document added (37,500); it goes to B or C.
         let pick = strategy.pick(&request, (&set).into());
-        assert!(matches!(pick, Some(1 | 2)), "{pick:?}");
+        assert!(matches!(pick, Some(Pick { index: 1 | 2, .. })), "{pick:?}");
         // Once A's documents have their first bytes, it takes the next one.
         set[0].prefilled(&documents);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
     }
 
     #[test]
@@ -1619,15 +1625,15 @@ mod tests {
         // A little more load on the replica with the tenant's prompt: the prefill it saves wins.
         working(&set[0], 3, 200);
         working(&set[1], 2, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         // Past 1.1 × its share of the work in flight plus three typical requests (11 against
         // 2: 1.1 × 14 / 2 + 3 = 10.7 requests' work), it is skipped however long the prefix.
         working(&set[0], 8, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
         // A request whose prompt no replica holds is not held back by the guard: it goes to the
         // cheapest, here the less loaded.
         let other = chat("A different tenant entirely. ", "hi");
-        assert_eq!(strategy.pick(&other, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&other, (&set).into()), Some(Pick::at(1)));
     }
 
     #[test]
@@ -1649,7 +1655,7 @@ mod tests {
         // the cached prefix).
         decoding(&set[0], 4, 200);
         decoding(&set[1], 2, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         // Hundreds in flight: 258 against 248 is within the share (253.5) + 3 + 3 (the
         // multiple's part is capped at three requests, in count and in work, for the replica
         // holding the prompt; a replica holding none of it has two and two, 257.5); 262
@@ -1658,9 +1664,9 @@ mod tests {
         // sequences).
         decoding(&set[0], 254, 200);
         decoding(&set[1], 246, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         decoding(&set[0], 4, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
     }
 
     /// [`with_room`], each backend having answered 23 streams: ramp-up room for 115 in flight.
@@ -1684,10 +1690,10 @@ mod tests {
         decoding(&set[0], 30, 100);
         decoding(&set[1], 20, 300);
         let request = chat("Be brief.", "hi");
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
         // Within the count's slack, the lighter work wins.
         decoding(&set[1], 7, 300);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
     }
 
     #[test]
@@ -1705,7 +1711,7 @@ mod tests {
             .record(&request.prompt.as_ref().unwrap().blocks);
         decoding(&set[0], 10, 1_000);
         decoding(&set[1], 30, 100);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         // With 16 (within the count guard's 17.85 for a replica holding the prompt), B is
         // within every guard and wins.
         for _ in 0..14 {
@@ -1717,7 +1723,7 @@ mod tests {
                 false,
             );
         }
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
     }
 
     /// Puts `n` requests of `output` expected tokens in flight on `backend` that have had
@@ -1751,14 +1757,14 @@ mod tests {
         decoding(&set[0], 4, 10);
         decoding(&set[1], 4, 200);
         working(&set[0], 2, 20);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         // 9 of them: its engine queues them (its KV cache is full).
         working(&set[0], 7, 20);
         // 9 waiting: more than 1.25 × the fewest (0) + 8. The request goes where it starts.
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
         // Once its peer holds waiting requests too, locality wins again.
         working(&set[1], 2, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
     }
 
     #[test]
@@ -1771,7 +1777,7 @@ mod tests {
         // full (15 streams). The request goes to A rather than wait for B.
         working(&set[0], 10, 200);
         decoding(&set[1], 15, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         // With room on B, the guard sends it there.
         set[1].release_work(
             &crate::backend::InFlightWork {
@@ -1780,7 +1786,7 @@ mod tests {
             },
             false,
         );
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
     }
 
     /// A chat request asking for `max_tokens` tokens.
@@ -1821,24 +1827,39 @@ mod tests {
         // A decodes 4 times as fast as B and is full; B is idle.
         let (strategy, set) = first_full([0.5, 2.0], [60, 61]);
         // A typical answer (200 tokens) starts at once on B.
-        assert_eq!(strategy.pick(&asking(200), (&set).into()), Some(1));
+        assert_eq!(
+            strategy.pick(&asking(200), (&set).into()),
+            Some(Pick::at(1))
+        );
         // A 2,000-token answer ends sooner on A after a slot there frees (the 200-token
         // answers ahead of it) than on B from now: it goes to A, past its limit.
-        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(0));
+        assert_eq!(
+            strategy.pick(&asking(2_000), (&set).into()),
+            Some(Pick::past_limit_at(0))
+        );
         // Not to a replica answering errors.
         set[0].record_failure_in_a_row();
-        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(1));
+        assert_eq!(
+            strategy.pick(&asking(2_000), (&set).into()),
+            Some(Pick::at(1))
+        );
         set[0].reset_failures_in_a_row();
         // Nor when the request does not say how long its answer is.
         let unstated = chat_without_max_tokens();
-        assert_eq!(strategy.pick(&unstated, (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&unstated, (&set).into()), Some(Pick::at(1)));
     }
 
     #[test]
     fn on_replicas_of_one_speed_a_request_never_waits_past_a_limit() {
         let (strategy, set) = first_full([1.0, 1.1], [62, 63]);
-        assert_eq!(strategy.pick(&asking(2_000), (&set).into()), Some(1));
-        assert_eq!(strategy.pick(&asking(20_000), (&set).into()), Some(1));
+        assert_eq!(
+            strategy.pick(&asking(2_000), (&set).into()),
+            Some(Pick::at(1))
+        );
+        assert_eq!(
+            strategy.pick(&asking(20_000), (&set).into()),
+            Some(Pick::at(1))
+        );
     }
 
     fn chat_without_max_tokens() -> RequestInfo {
@@ -1857,10 +1878,15 @@ mod tests {
         let limit = strategy.limit(&set[0]);
         let over = (limit.floor() as usize) + 1;
         tokio::time::advance(Duration::from_secs(1)).await;
-        // A 2,000-token answer goes to the full, faster replica, noted as past its limit.
+        // A 2,000-token answer goes to the full, faster replica, past its limit.
         let long = asking(2_000);
-        assert_eq!(strategy.pick(&long, (&set).into()), Some(0));
-        assert!(long.sent_past_limit());
+        assert_eq!(
+            strategy.pick(&long, (&set).into()),
+            Some(Pick {
+                index: 0,
+                past_limit: true
+            })
+        );
         // It waited there for a slot, as expected.
         let expected = FirstByte {
             past_limit: true,
@@ -1868,8 +1894,8 @@ mod tests {
         };
         strategy.learn_first_byte(&set[0], &expected);
         assert_eq!(strategy.limit(&set[0]), limit);
-        // The same count and wait of a request the pick did not note lowers it, whatever else
-        // was sent past the limit before.
+        // The same count and wait of a request its pick did not send past the limit lowers it,
+        // whatever else was sent past the limit before.
         strategy.learn_first_byte(&set[0], &sent_with(over, 0.5));
         assert!(strategy.limit(&set[0]) < limit);
     }
@@ -1878,7 +1904,12 @@ mod tests {
     fn a_request_sent_within_the_limit_is_not_noted_past_it() {
         let (strategy, set) = first_full([1.0, 1.1], [66, 67]);
         let long = asking(2_000);
-        assert_eq!(strategy.pick(&long, (&set).into()), Some(1));
-        assert!(!long.sent_past_limit());
+        assert_eq!(
+            strategy.pick(&long, (&set).into()),
+            Some(Pick {
+                index: 1,
+                past_limit: false
+            })
+        );
     }
 }

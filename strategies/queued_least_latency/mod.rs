@@ -115,7 +115,7 @@ use figment::value::Value;
 use serde::Deserialize;
 
 use super::{
-    Candidates, FirstByte, LatencyConfig, Outcome, ParamsError, RequestInfo, Strategy,
+    Candidates, FirstByte, LatencyConfig, Outcome, ParamsError, Pick, RequestInfo, Strategy,
     StrategyContext, StrategyEntry, parse_params,
 };
 use crate::backend::Backend;
@@ -334,9 +334,11 @@ impl Strategy for QueuedLeastLatency {
         ENTRY.name
     }
 
-    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
         match self.score {
-            Score::Ewma => self.best(candidates, |backend| self.score(backend)),
+            Score::Ewma => self
+                .best(candidates, |backend| self.score(backend))
+                .map(Pick::at),
             Score::Load => {
                 let state = self.load_state();
                 // A copy the loop can keep in registers.
@@ -374,15 +376,10 @@ impl Strategy for QueuedLeastLatency {
                     found => found,
                 }?;
                 // A much faster backend past its limit may still finish it sooner.
-                let Some((index, past_limit)) = candidates.get(found).and_then(|chosen| {
+                let overflow = candidates.get(found).and_then(|chosen| {
                     self.overflow(chosen, candidates, generation, &fleet, &demand)
-                }) else {
-                    return Some(found);
-                };
-                if past_limit {
-                    request.send_past_limit();
-                }
-                Some(index)
+                });
+                Some(overflow.unwrap_or(Pick::at(found)))
             }
         }
     }
@@ -434,11 +431,11 @@ mod tests {
             backend.record_latency(latency, 1.0);
         }
         let request = RequestInfo::default();
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         let tried = [Arc::clone(&set[0])];
         let candidates = Candidates::new(&set).excluding(&tried);
-        assert_eq!(strategy.pick(&request, candidates), Some(1));
+        assert_eq!(strategy.pick(&request, candidates), Some(Pick::at(1)));
         let candidates = candidates.declining(&set[1]);
-        assert_eq!(strategy.pick(&request, candidates), Some(2));
+        assert_eq!(strategy.pick(&request, candidates), Some(Pick::at(2)));
     }
 }

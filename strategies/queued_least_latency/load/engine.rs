@@ -31,3 +31,47 @@ fn kv_full(engine: &EngineSnapshot) -> bool {
 pub(super) fn engine_full(engine: &EngineSnapshot) -> bool {
     engine.waiting > 0 && kv_full(engine)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn engine(
+        running: u32,
+        waiting: u32,
+        kv_usage: Option<f64>,
+        in_flight_then: u32,
+    ) -> EngineSnapshot {
+        EngineSnapshot {
+            running,
+            waiting,
+            kv_usage,
+            max_concurrent: None,
+            in_flight_then,
+            age: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn ahead_of_a_newcomer_are_the_waiting_others_running_and_a_full_cache() {
+        // 3 waiting, 10 running of which the router sent 6: 4 are other clients'.
+        assert_eq!(engine_ahead(&engine(10, 3, Some(0.5), 6)), 7.0);
+        // Its own requests that ended since the scrape are no other client's work.
+        assert_eq!(engine_ahead(&engine(4, 0, None, 6)), 0.0);
+        // A full KV cache: a new sequence starts only when one ends.
+        assert_eq!(engine_ahead(&engine(10, 3, Some(KV_FULL), 6)), 8.0);
+    }
+
+    #[test]
+    fn an_engine_is_full_when_requests_wait_and_its_cache_is_full() {
+        assert!(engine_full(&engine(8, 2, Some(0.97), 8)));
+        // Requests waiting between two steps with room in the cache: not full.
+        assert!(!engine_full(&engine(8, 2, Some(0.5), 8)));
+        // A full cache and nothing waiting: not full.
+        assert!(!engine_full(&engine(8, 0, Some(0.99), 8)));
+        // No KV usage exported: never taken as full.
+        assert!(!engine_full(&engine(8, 50, None, 8)));
+    }
+}

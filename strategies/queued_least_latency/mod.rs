@@ -396,6 +396,28 @@ mod tests {
     }
 
     #[test]
+    fn the_score_param_selects_the_mode() {
+        let built = |score: &str| {
+            let mut dict = figment::value::Dict::new();
+            dict.insert("score".into(), Value::from(score));
+            build(&StrategyContext::default(), &Value::from(dict))
+        };
+        // The load score reads prompts; the reference rules do not.
+        assert!(built("load").unwrap().reads_prompts());
+        assert!(!built("ewma").unwrap().reads_prompts());
+        assert!(
+            build(
+                &StrategyContext::default(),
+                &Value::from(figment::value::Dict::new())
+            )
+            .unwrap()
+            .reads_prompts(),
+            "load is the default"
+        );
+        assert_eq!(built("latency").err().unwrap().field, "score");
+    }
+
+    #[test]
     fn backends_excluded_from_the_pick_are_skipped() {
         let strategy = QueuedLeastLatency::ewma(3.0, 5.0);
         let set: Vec<_> = (0..3)

@@ -41,7 +41,7 @@ use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
 use crate::prefix_index::PrefixIndex;
 use crate::prompt::Prompt;
-use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, RequestInfo, Strategy};
+use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, Pick, RequestInfo, Strategy};
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -322,25 +322,21 @@ impl Balancer {
 
     /// Picks among `candidates`: the strategy's choice, unless it is slow-starting and its ramp
     /// declines this pick, in which case the strategy chooses among the others.
-    fn pick(&self, info: &RequestInfo, candidates: Candidates<'_>) -> Option<Arc<Backend>> {
+    fn pick(&self, info: &RequestInfo, candidates: Candidates<'_>) -> Option<Choice> {
         let strategy = self.strategy.load();
-        info.set_past_limit(false);
-        let index = strategy.pick(info, candidates)?;
+        let first = strategy.pick(info, candidates)?;
         debug_assert!(
-            candidates.get(index).is_some(),
+            candidates.get(first.index).is_some(),
             "picked an excluded backend"
         );
-        let chosen = &candidates.all()[index];
-        if candidates.iter().any(|(other, _)| other != index) && !self.ramp_admits(chosen) {
-            let noted = info.sent_past_limit();
-            info.set_past_limit(false);
+        let chosen = &candidates.all()[first.index];
+        if candidates.iter().any(|(other, _)| other != first.index) && !self.ramp_admits(chosen) {
             if let Some(other) = strategy.pick(info, candidates.declining(chosen)) {
-                return Some(Arc::clone(&candidates.all()[other]));
+                return Some(Choice::of(candidates, other));
             }
-            // The first choice stands, and with it its pick's note.
-            info.set_past_limit(noted);
+            // The first choice stands, and with it what its pick said of the limit.
         }
-        Some(Arc::clone(chosen))
+        Some(Choice::of(candidates, first))
     }
 
     /// The metrics instruments.
@@ -363,7 +359,6 @@ impl Balancer {
             } else {
                 None
             },
-            ..RequestInfo::default()
         }
     }
 
@@ -471,7 +466,7 @@ impl Balancer {
         info: &RequestInfo,
         candidates: &[Arc<Backend>],
         excluded: &[Arc<Backend>],
-    ) -> Option<Arc<Backend>> {
+    ) -> Option<Choice> {
         let others = Candidates::new(candidates).excluding(excluded);
         if excluded.is_empty() || !others.is_empty() {
             self.pick(info, others)
@@ -506,9 +501,8 @@ impl Balancer {
         let (place, reply, deadline) = {
             let mut queue = self.lock();
             if queue.is_empty() {
-                if let Some(backend) = self.pick_excluding(&info, &self.eligible.load(), &excluded)
-                {
-                    let lease = Lease::new(self, backend, &info);
+                if let Some(choice) = self.pick_excluding(&info, &self.eligible.load(), &excluded) {
+                    let lease = Lease::new(self, choice, &info);
                     drop(queue);
                     return Ok(lease);
                 }
@@ -583,8 +577,8 @@ impl Balancer {
             let eligible = self.eligible.load();
             let untried = Candidates::new(&eligible).excluding(tried);
             if queue.is_empty() && !untried.is_empty() {
-                if let Some(backend) = self.pick(&info, untried) {
-                    let lease = Lease::new(self, backend, &info);
+                if let Some(choice) = self.pick(&info, untried) {
+                    let lease = Lease::new(self, choice, &info);
                     drop(queue);
                     return Ok(Some(lease));
                 }
@@ -678,13 +672,13 @@ impl Balancer {
             let Some(head) = queue.get(place) else {
                 break;
             };
-            let backend = match self.pick_excluding(&head.info, &backends, &head.excluded) {
-                Some(backend) => backend,
+            let choice = match self.pick_excluding(&head.info, &backends, &head.excluded) {
+                Some(choice) => choice,
                 // A retry waiting for a backend it has not tried holds up no one: with others
                 // queued behind it, it takes a backend it tried that has room now.
                 None if !head.excluded.is_empty() && queue.len() > 1 => {
                     match self.pick_excluding(&head.info, &backends, &[]) {
-                        Some(backend) => backend,
+                        Some(choice) => choice,
                         None => break,
                     }
                 }
@@ -693,7 +687,7 @@ impl Balancer {
             let Some(waiter) = queue.dispatch(place, now, aging) else {
                 break;
             };
-            let lease = Lease::new(self, backend, &waiter.info);
+            let lease = Lease::new(self, choice, &waiter.info);
             let waited = now
                 .saturating_duration_since(waiter.enqueued_at)
                 .as_secs_f64();
@@ -865,6 +859,23 @@ fn uncached_tokens(backend: &Backend, prompt: &Prompt) -> u64 {
     u64::from(prompt.tokens).saturating_sub(Prompt::blocks_tokens(matched))
 }
 
+/// The backend a pick chose, with what the strategy's [`Pick`] said of it.
+struct Choice {
+    backend: Arc<Backend>,
+    /// [`Pick::past_limit`].
+    past_limit: bool,
+}
+
+impl Choice {
+    /// The backend of `candidates` that `pick` names.
+    fn of(candidates: Candidates<'_>, pick: Pick) -> Self {
+        Self {
+            backend: Arc::clone(&candidates.all()[pick.index]),
+            past_limit: pick.past_limit,
+        }
+    }
+}
+
 /// One request's claim on a backend: counted in the backend's in-flight until dropped.
 ///
 /// [`Lease::finish`] records the outcome; a lease dropped without it (client went away) gives no
@@ -882,7 +893,7 @@ pub struct Lease {
     queued_tokens: u64,
     /// The backend's requests in flight when it was dispatched, this one included.
     in_flight: usize,
-    /// Whether the pick sent it past the strategy's limit ([`RequestInfo::send_past_limit`]).
+    /// Whether the pick sent it past the strategy's limit ([`Pick::past_limit`]).
     past_limit: bool,
 }
 
@@ -895,7 +906,11 @@ impl std::fmt::Debug for Lease {
 }
 
 impl Lease {
-    fn new(balancer: &Arc<Balancer>, backend: Arc<Backend>, info: &RequestInfo) -> Self {
+    fn new(balancer: &Arc<Balancer>, choice: Choice, info: &RequestInfo) -> Self {
+        let Choice {
+            backend,
+            past_limit,
+        } = choice;
         let queued_tokens = backend.prefill_in_flight();
         let work = InFlightWork {
             prefill: info
@@ -917,7 +932,7 @@ impl Lease {
             work,
             queued_tokens,
             in_flight,
-            past_limit: info.sent_past_limit(),
+            past_limit,
         }
     }
 
@@ -1066,9 +1081,10 @@ mod tests {
             "room-per-first-byte"
         }
 
-        fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+        fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
             let (index, backend) = candidates.iter().next()?;
-            (backend.in_flight() <= self.first_bytes.load(Ordering::SeqCst)).then_some(index)
+            (backend.in_flight() <= self.first_bytes.load(Ordering::SeqCst))
+                .then_some(Pick::at(index))
         }
 
         fn on_first_byte(&self, _backend: &Backend, _first_byte: &FirstByte) {
@@ -1171,8 +1187,8 @@ mod tests {
         drop((first, second));
     }
 
-    /// Takes every request on the first backend, noting those sent while it already holds one
-    /// as past its limit; keeps what each first byte said of it.
+    /// Takes every request on the first backend, those sent while it already holds one past its
+    /// limit; keeps what each first byte said of it.
     #[derive(Default)]
     struct OneThenPast {
         past_limit: std::sync::Mutex<Vec<bool>>,
@@ -1183,12 +1199,12 @@ mod tests {
             "one-then-past"
         }
 
-        fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+        fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
             let (index, backend) = candidates.iter().next()?;
-            if backend.in_flight() >= 1 {
-                request.send_past_limit();
-            }
-            Some(index)
+            Some(Pick {
+                index,
+                past_limit: backend.in_flight() >= 1,
+            })
         }
 
         fn on_first_byte(&self, _backend: &Backend, first_byte: &FirstByte) {
@@ -1209,14 +1225,14 @@ mod tests {
         first.mark_first_byte();
         assert_eq!(*strategy.past_limit.lock().unwrap(), [true, false]);
         drop((first, second));
-        // A request once noted is picked afresh: the note is cleared before each pick.
-        noted.send_past_limit();
+        // A request once sent past the limit is picked afresh: what a pick says holds for its
+        // own backend only.
         let mut again = balancer.admit(noted).await.unwrap();
         again.mark_first_byte();
         assert_eq!(*strategy.past_limit.lock().unwrap(), [true, false, false]);
     }
 
-    /// Takes only the first backend, always noting the request as past its limit.
+    /// Takes only the first backend, always past its limit.
     #[derive(Default)]
     struct FirstPast {
         past_limit: std::sync::Mutex<Vec<bool>>,
@@ -1227,10 +1243,9 @@ mod tests {
             "first-past"
         }
 
-        fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+        fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
             let (index, _) = candidates.iter().next().filter(|(index, _)| *index == 0)?;
-            request.send_past_limit();
-            Some(index)
+            Some(Pick::past_limit_at(index))
         }
 
         fn on_first_byte(&self, _backend: &Backend, first_byte: &FirstByte) {
@@ -1241,7 +1256,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_choice_kept_after_the_ramp_declined_it_keeps_its_note() {
         // Both backends are new: the slow-start ramp declines nine picks in ten. The strategy
-        // has nothing else to offer, so its first choice stands, noted as it was.
+        // has nothing else to offer, so its first choice stands, past the limit as it was.
         let mut tuning = Tuning::default();
         tuning.availability.slow_start = Some(Duration::from_secs(3600));
         let strategy = Arc::new(FirstPast::default());

@@ -1,14 +1,15 @@
-//! The strategy contract: what the core asks of a routing strategy ([`Strategy`]) and what it
-//! hands it — the request as a neutral view ([`RequestView`], [`RequestInfo`]), the candidates
-//! with what to exclude ([`Candidates`]), how a request ended ([`Outcome`]) — and how a strategy
-//! is built from its configuration ([`StrategyEntry`], [`Factory`], [`parse_params`]). The
-//! strategies themselves and their registry are in `strategies/`, above the core: the core
+//! The strategy contract: what the core asks of a routing strategy ([`Strategy`]); what it
+//! hands it: the request as a neutral view ([`RequestView`], [`RequestInfo`]), the candidates
+//! with what to exclude ([`Candidates`]), how a request ended ([`Outcome`]); what the strategy
+//! answers ([`Pick`]: the backend, and whether it is past the strategy's own limit); and how a
+//! strategy is built from its configuration ([`StrategyEntry`], [`Factory`], [`parse_params`]).
+//! The strategies themselves and their registry are in `strategies/`, above the core: the core
 //! knows this contract only.
 
 use std::cell::OnceCell;
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use figment::value::Value;
@@ -19,7 +20,7 @@ use crate::backend::Backend;
 use crate::prompt::Prompt;
 
 /// What a strategy sees of the request it routes (kept while the request waits in the queue).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RequestInfo {
     /// The request method.
     pub method: Method,
@@ -28,52 +29,9 @@ pub struct RequestInfo {
     /// The prompt of an LLM request, when the strategy reads prompts
     /// ([`Strategy::reads_prompts`]) and the body is one the core understands.
     pub prompt: Option<Arc<Prompt>>,
-    /// Set by the last [`Strategy::pick`] for this request ([`Self::send_past_limit`]).
-    pub past_limit: PastLimit,
-}
-
-impl Default for RequestInfo {
-    fn default() -> Self {
-        Self {
-            method: Method::GET,
-            key: None,
-            prompt: None,
-            past_limit: PastLimit::default(),
-        }
-    }
-}
-
-/// Whether a pick sent its request past the strategy's own limit (an atomic, so that a
-/// request waiting in the queue can be picked for from any thread; a copy keeps the value).
-#[derive(Debug, Default)]
-pub struct PastLimit(AtomicBool);
-
-impl Clone for PastLimit {
-    fn clone(&self) -> Self {
-        Self(AtomicBool::new(self.0.load(Ordering::Relaxed)))
-    }
 }
 
 impl RequestInfo {
-    /// Notes, from [`Strategy::pick`], that the backend it returns is past the strategy's own
-    /// concurrency limit on purpose (the request is expected to wait there for a slot). The core
-    /// carries the note to the request's [`FirstByte::past_limit`]; it clears it before every
-    /// pick, so it holds for the backend of the pick that set it and no other.
-    pub fn send_past_limit(&self) {
-        self.past_limit.0.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether the last pick for this request set [`Self::send_past_limit`].
-    pub fn sent_past_limit(&self) -> bool {
-        self.past_limit.0.load(Ordering::Relaxed)
-    }
-
-    /// Sets the note of [`Self::send_past_limit`] (the core: cleared before each pick, and put
-    /// back to a kept choice's).
-    pub(crate) fn set_past_limit(&self, past: bool) {
-        self.past_limit.0.store(past, Ordering::Relaxed);
-    }
-
     /// Output tokens the request is expected to generate: what it asks for (`max_tokens`,
     /// `max_new_tokens`), else [`DEFAULT_OUTPUT_TOKENS`]. The core counts this as the request's
     /// work while it is in flight ([`Backend::work_in_flight`]).
@@ -444,9 +402,39 @@ pub struct FirstByte {
     /// When the request was dispatched: a strategy that reacts to a late first byte can tell
     /// whether the request was sent before or after its last reaction.
     pub dispatched_at: tokio::time::Instant,
-    /// Whether the pick that sent it noted it as past the strategy's limit
-    /// ([`RequestInfo::send_past_limit`]): its first byte was expected to wait for a slot.
+    /// Whether the pick that sent it was past the strategy's own limit ([`Pick::past_limit`]):
+    /// its first byte was expected to wait for a slot.
     pub past_limit: bool,
+}
+
+/// A strategy's choice for one request ([`Strategy::pick`]): the backend, and what the core
+/// carries with the request that goes there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pick {
+    /// The backend's index in [`Candidates::all`].
+    pub index: usize,
+    /// Whether the backend is past the strategy's own concurrency limit, chosen on purpose (the
+    /// request is expected to wait there for a slot). The core hands it back with the request's
+    /// first byte ([`FirstByte::past_limit`]), so that its wait is not read as congestion.
+    pub past_limit: bool,
+}
+
+impl Pick {
+    /// The backend at `index`, within the strategy's limits.
+    pub const fn at(index: usize) -> Self {
+        Self {
+            index,
+            past_limit: false,
+        }
+    }
+
+    /// The backend at `index`, past the strategy's own limit on purpose.
+    pub const fn past_limit_at(index: usize) -> Self {
+        Self {
+            index,
+            past_limit: true,
+        }
+    }
 }
 
 /// A routing strategy. See the module docs for the contract.
@@ -454,13 +442,14 @@ pub trait Strategy: Send + Sync + 'static {
     /// The registry name, e.g. `"round-robin"`.
     fn name(&self) -> &'static str;
 
-    /// Chooses one of `candidates`: the index in [`Candidates::all`] of a backend that is not
-    /// excluded, or `None` for "none right now".
+    /// Chooses one of `candidates`: a [`Pick`] of a backend that is not excluded (its index in
+    /// [`Candidates::all`], and whether it is past the strategy's own limit), or `None` for
+    /// "none right now".
     ///
     /// Called often and never across an await: keep it cheap and allocation-free. The core
     /// excludes the backends a retry already tried and one whose slow-start ramp declined the
     /// strategy's first choice; when a retry has tried every backend it passes them all again.
-    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize>;
+    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick>;
 
     /// Derives the request's affinity key (hashed), once, before the request is admitted.
     /// Strategies that do not route by key keep the default.

@@ -79,8 +79,8 @@ use http::header::{COOKIE, HeaderName};
 use serde::Deserialize;
 
 use super::{
-    Candidates, ParamsError, RequestInfo, RequestView, Strategy, StrategyContext, StrategyEntry,
-    parse_params,
+    Candidates, ParamsError, Pick, RequestInfo, RequestView, Strategy, StrategyContext,
+    StrategyEntry, parse_params,
 };
 use crate::backend::Backend;
 
@@ -393,7 +393,7 @@ impl Strategy for Affinity {
         ENTRY.name
     }
 
-    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
         if candidates.is_empty() {
             return None;
         }
@@ -401,7 +401,9 @@ impl Strategy for Affinity {
             let bound = load_bound(candidates, self.load_factor);
             self.ring.load().owner(key, candidates, bound)
         });
-        owner.or_else(|| self.least_loaded(candidates))
+        owner
+            .or_else(|| self.least_loaded(candidates))
+            .map(Pick::at)
     }
 
     fn request_key(&self, request: &RequestView<'_>) -> Option<u64> {
@@ -447,7 +449,7 @@ mod tests {
 
     /// The backend `key` maps to with every backend idle.
     fn home(strategy: &Affinity, set: &[Arc<Backend>], key: u64) -> u64 {
-        set[strategy.pick(&keyed(key), set.into()).unwrap()].id()
+        set[strategy.pick(&keyed(key), set.into()).unwrap().index].id()
     }
 
     /// Header fields as name-value pairs.
@@ -482,9 +484,12 @@ mod tests {
         let set = backends(0..5);
         let strategy = strategy(&set, 1.25);
         for key in (0..200u64).map(|k| hash_bytes(&k.to_le_bytes())) {
-            let first = strategy.pick(&keyed(key), (&set).into()).unwrap();
+            let first = strategy.pick(&keyed(key), (&set).into()).unwrap().index;
             for _ in 0..3 {
-                assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(first));
+                assert_eq!(
+                    strategy.pick(&keyed(key), (&set).into()),
+                    Some(Pick::at(first))
+                );
             }
         }
     }
@@ -495,7 +500,7 @@ mod tests {
         let strategy = strategy(&set, 1.25);
         let mut counts = [0usize; 4];
         for key in (0..4000u64).map(|k| hash_bytes(&k.to_le_bytes())) {
-            counts[strategy.pick(&keyed(key), (&set).into()).unwrap()] += 1;
+            counts[strategy.pick(&keyed(key), (&set).into()).unwrap().index] += 1;
         }
         assert!(
             counts.iter().all(|&n| (700..1300).contains(&n)),
@@ -508,22 +513,26 @@ mod tests {
         let set = backends(0..4);
         let strategy = strategy(&set, 1.0);
         let key = hash_bytes(b"session-1");
-        let home = strategy.pick(&keyed(key), (&set).into()).unwrap();
+        let home = strategy.pick(&keyed(key), (&set).into()).unwrap().index;
         // With one request in flight in all and c = 1 the bound is ⌈1 × 2 / 4⌉ = 1: home is full.
         set[home].acquire();
-        let spill = strategy.pick(&keyed(key), (&set).into()).unwrap();
+        let spill = strategy.pick(&keyed(key), (&set).into()).unwrap().index;
         assert_ne!(spill, home);
         set[home].release();
-        assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(home));
+        assert_eq!(
+            strategy.pick(&keyed(key), (&set).into()),
+            Some(Pick::at(home))
+        );
     }
 
     /// The backend `key` goes to, and the one it goes to when that one was tried already.
     fn home_and_next(strategy: &Affinity, set: &[Arc<Backend>], key: u64) -> (usize, usize) {
-        let home = strategy.pick(&keyed(key), set.into()).unwrap();
+        let home = strategy.pick(&keyed(key), set.into()).unwrap().index;
         let tried = [Arc::clone(&set[home])];
         let next = strategy
             .pick(&keyed(key), Candidates::new(set).excluding(&tried))
-            .unwrap();
+            .unwrap()
+            .index;
         (home, next)
     }
 
@@ -545,7 +554,10 @@ mod tests {
                 backend.acquire();
             }
         }
-        assert_eq!(strategy.pick(&keyed(key), (&set).into()), Some(idle));
+        assert_eq!(
+            strategy.pick(&keyed(key), (&set).into()),
+            Some(Pick::at(idle))
+        );
     }
 
     #[test]
@@ -595,14 +607,14 @@ mod tests {
         let request = RequestInfo::default();
         set[0].acquire();
         let picks: Vec<_> = (0..4)
-            .map(|_| strategy.pick(&request, (&set).into()).unwrap())
+            .map(|_| strategy.pick(&request, (&set).into()).unwrap().index)
             .collect();
         assert!(picks.iter().all(|&i| i != 0), "{picks:?}");
         assert!(picks.contains(&1) && picks.contains(&2), "{picks:?}");
         for busy in [1, 1, 2, 2] {
             set[busy].acquire();
         }
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
     }
 
     #[test]
@@ -651,9 +663,9 @@ mod tests {
         let strategy = Affinity::new(default_keys(), 100, 1.25);
         set[0].acquire();
         set[2].acquire();
-        assert_eq!(strategy.pick(&keyed(42), (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&keyed(42), (&set).into()), Some(Pick::at(1)));
         strategy.on_backends_changed(&[]);
-        assert_eq!(strategy.pick(&keyed(42), (&set).into()), Some(1));
+        assert_eq!(strategy.pick(&keyed(42), (&set).into()), Some(Pick::at(1)));
         assert_eq!(strategy.pick(&keyed(42), Candidates::new(&[])), None);
     }
 
@@ -790,7 +802,7 @@ mod properties {
                 match event {
                     Event::Arrive(key) => {
                         let key = key.map(|k| hash_bytes(&k.to_le_bytes()));
-                        let index = strategy.pick(&keyed(key), (&set).into()).unwrap();
+                        let index = strategy.pick(&keyed(key), (&set).into()).unwrap().index;
                         set[index].acquire();
                         running.push(index);
                         let total: usize = set.iter().map(|b| b.in_flight()).sum();
@@ -815,7 +827,7 @@ mod properties {
             let homes = |set: &[Arc<Backend>]| -> Vec<u64> {
                 strategy.on_backends_changed(set);
                 (0..2000u64)
-                    .map(|k| set[strategy.pick(&keyed(Some(hash_bytes(&k.to_le_bytes()))), set.into()).unwrap()].id())
+                    .map(|k| set[strategy.pick(&keyed(Some(hash_bytes(&k.to_le_bytes()))), set.into()).unwrap().index].id())
                     .collect()
             };
             let before = homes(&set[..n]);

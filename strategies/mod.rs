@@ -1,7 +1,8 @@
 //! Routing strategies and their registry.
 //!
 //! A strategy only chooses: given the request and the current backends (with the statistics the
-//! core keeps for them), it returns the index of the one to use, or `None` for "none right now".
+//! core keeps for them), it returns a [`Pick`] of the one to use (its index, and whether it is
+//! past the strategy's own limit), or `None` for "none right now".
 //! It does no I/O, never sleeps and never queues; the core owns the queue, in-flight counting,
 //! outcome measurement, timeouts and metrics.
 //!
@@ -108,7 +109,7 @@ mod tests {
                 let set = backends(n);
                 strategy.on_backends_changed(&set);
                 for _ in 0..50 {
-                    if let Some(index) = strategy.pick(&request, (&set).into()) {
+                    if let Some(Pick { index, .. }) = strategy.pick(&request, (&set).into()) {
                         assert!(index < n, "{} picked {index} of {n}", entry.name);
                         // Keep the candidates busy so load-aware strategies move on.
                         set[index].acquire();
@@ -144,12 +145,12 @@ mod tests {
                 let candidates = Candidates::new(&set).excluding(&tried).declining(&set[3]);
                 assert_eq!(
                     strategy.pick(&request, candidates),
-                    Some(1),
+                    Some(Pick::at(1)),
                     "{}",
                     entry.name
                 );
                 let candidates = Candidates::new(&set).excluding(&tried);
-                let index = strategy.pick(&request, candidates).unwrap();
+                let index = strategy.pick(&request, candidates).unwrap().index;
                 assert!(index == 1 || index == 3, "{} picked {index}", entry.name);
             }
         }

@@ -79,7 +79,7 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::{
-    Candidates, Outcome, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry,
+    Candidates, Outcome, ParamsError, Pick, RequestInfo, Strategy, StrategyContext, StrategyEntry,
     next_generation, parse_params,
 };
 use crate::backend::Backend;
@@ -309,10 +309,10 @@ impl Strategy for P2cPeakEwma {
         ENTRY.name
     }
 
-    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
         let count = candidates.len();
         if count < 2 {
-            return candidates.nth(0).map(|(index, _)| index);
+            return candidates.nth(0).map(|(index, _)| Pick::at(index));
         }
         let mut state = self.lock();
         let (first, second) = state.two_distinct(count);
@@ -321,11 +321,11 @@ impl Strategy for P2cPeakEwma {
         let set = candidates.all();
         let first_cost = self.cost(set, first.1, now);
         let second_cost = self.cost(set, second.1, now);
-        Some(if second_cost < first_cost {
+        Some(Pick::at(if second_cost < first_cost {
             second.0
         } else {
             first.0
-        })
+        }))
     }
 
     fn on_backends_changed(&self, backends: &[Arc<Backend>]) {
@@ -402,7 +402,7 @@ mod tests {
         strategy.latency(set, &set[index], Instant::now())
     }
 
-    fn pick(strategy: &P2cPeakEwma, set: &[Arc<Backend>]) -> Option<usize> {
+    fn pick(strategy: &P2cPeakEwma, set: &[Arc<Backend>]) -> Option<Pick> {
         strategy.pick(&RequestInfo::default(), set.into())
     }
 
@@ -463,13 +463,13 @@ mod tests {
         ok(&strategy, &set[0], 1.0);
         ok(&strategy, &set[1], 0.5);
         // Costs 1.0 × 1 against 0.5 × 1: the faster one.
-        assert_eq!(pick(&strategy, &set), Some(1));
+        assert_eq!(pick(&strategy, &set), Some(Pick::at(1)));
         // Costs 1.0 × 1 against 0.5 × 4: the idle one, though slower.
         for _ in 0..3 {
             set[1].acquire();
         }
         for _ in 0..20 {
-            assert_eq!(pick(&strategy, &set), Some(0));
+            assert_eq!(pick(&strategy, &set), Some(Pick::at(0)));
         }
     }
 
@@ -486,8 +486,8 @@ mod tests {
             let excluded = [Arc::clone(&set[excluded])];
             strategy.pick(&request, Candidates::new(&set).excluding(&excluded))
         };
-        assert_eq!(pair(0), Some(2));
-        assert_eq!(pair(1), Some(0));
+        assert_eq!(pair(0), Some(Pick::at(2)));
+        assert_eq!(pair(1), Some(Pick::at(0)));
     }
 
     #[tokio::test(start_paused = true)]
@@ -508,7 +508,7 @@ mod tests {
         let picks = |seed| {
             let strategy = P2cPeakEwma::new(DECAY, None, Some(seed));
             (0..4000)
-                .map(|_| strategy.pick(&request, (&set).into()).unwrap())
+                .map(|_| strategy.pick(&request, (&set).into()).unwrap().index)
                 .collect::<Vec<_>>()
         };
         let first = picks(3);
@@ -539,14 +539,17 @@ mod tests {
     fn one_candidate_is_picked_and_none_gives_none() {
         let strategy = strategy();
         let request = RequestInfo::default();
-        assert_eq!(strategy.pick(&request, (&backends(1)).into()), Some(0));
+        assert_eq!(
+            strategy.pick(&request, (&backends(1)).into()),
+            Some(Pick::at(0))
+        );
         assert_eq!(strategy.pick(&request, Candidates::new(&[])), None);
         // Both of two excluded but one: that one.
         let set = backends(2);
         let tried = [Arc::clone(&set[0])];
         for _ in 0..20 {
             let candidates = Candidates::new(&set).excluding(&tried);
-            assert_eq!(strategy.pick(&request, candidates), Some(1));
+            assert_eq!(strategy.pick(&request, candidates), Some(Pick::at(1)));
         }
     }
 

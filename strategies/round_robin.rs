@@ -17,7 +17,8 @@ use figment::value::Value;
 use serde::Deserialize;
 
 use super::{
-    Candidates, ParamsError, RequestInfo, Strategy, StrategyContext, StrategyEntry, parse_params,
+    Candidates, ParamsError, Pick, RequestInfo, Strategy, StrategyContext, StrategyEntry,
+    parse_params,
 };
 
 /// Registry entry.
@@ -48,13 +49,13 @@ impl Strategy for RoundRobin {
         ENTRY.name
     }
 
-    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
+    fn pick(&self, _request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
         let count = candidates.len();
         if count == 0 {
             return None;
         }
         let (index, _) = candidates.nth(self.next.fetch_add(1, Ordering::Relaxed) % count)?;
-        Some(index)
+        Some(Pick::at(index))
     }
 
     fn queues_when_unavailable(&self) -> bool {
@@ -78,6 +79,7 @@ mod tests {
                 strategy
                     .pick(&RequestInfo::default(), (&set).into())
                     .unwrap()
+                    .index
             })
             .collect();
         assert_eq!(picks, [0, 1, 2, 0, 1, 2, 0]);
@@ -85,7 +87,12 @@ mod tests {
         let tried = [Arc::clone(&set[1])];
         let candidates = Candidates::new(&set).excluding(&tried);
         let picks: Vec<_> = (0..4)
-            .map(|_| strategy.pick(&RequestInfo::default(), candidates).unwrap())
+            .map(|_| {
+                strategy
+                    .pick(&RequestInfo::default(), candidates)
+                    .unwrap()
+                    .index
+            })
             .collect();
         assert!(picks.iter().all(|&index| index != 1), "{picks:?}");
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use custom_router::backend::Backend;
 use custom_router::prefix_index::PrefixIndex;
 use custom_router::prompt::Prompt;
-use custom_router::strategies::{self, Candidates, Outcome, RequestInfo, StrategyContext};
+use custom_router::strategies::{self, Candidates, Outcome, Pick, RequestInfo, StrategyContext};
 use figment::value::{Dict, Value};
 
 /// Counts the heap bytes held by allocations made on the current thread, so that a test can
@@ -134,6 +134,7 @@ async fn p2c_a_long_run_of_failures_leaves_no_nan_estimate() {
     // weighs exp(-1080) = 0), so it costs 0.5 against 1.0 and wins every pair.
     let picks: Vec<usize> = (0..100)
         .filter_map(|_| strategy.pick(&RequestInfo::default(), Candidates::new(&set)))
+        .map(|pick| pick.index)
         .collect();
     let to_slow = picks.iter().filter(|&&i| i == 1).count();
     assert_eq!(
@@ -224,7 +225,9 @@ async fn p2c_a_replica_busy_with_long_streams_does_not_look_free() {
     strategy.on_outcome(&set[1], &outcome(2.0, false));
     tokio::time::advance(Duration::from_secs(1)).await;
     let to_busy = (0..100)
-        .filter(|_| strategy.pick(&RequestInfo::default(), Candidates::new(&set)) == Some(0))
+        .filter(|_| {
+            strategy.pick(&RequestInfo::default(), Candidates::new(&set)) == Some(Pick::at(0))
+        })
         .count();
     assert_eq!(
         to_busy, 0,

@@ -1,18 +1,33 @@
 //! The reference implementation's rules (`score = "ewma"`): rules 1–4 of the module docs.
 
-use super::QueuedLeastLatency;
+use super::RampUp;
 use crate::backend::Backend;
 
-impl QueuedLeastLatency {
+/// The reference rules' parameters (they keep nothing else).
+#[derive(Debug)]
+pub(super) struct EwmaScore {
+    /// A busy backend is a candidate only below this EWMA latency, in seconds.
+    latency_threshold: f64,
+    ramp_up: RampUp,
+}
+
+impl EwmaScore {
+    pub(super) fn new(latency_threshold: f64, ramp_up: RampUp) -> Self {
+        Self {
+            latency_threshold,
+            ramp_up,
+        }
+    }
+
     /// The reference score of `backend` if it is a candidate (rules 1–4).
-    pub fn score(&self, backend: &Backend) -> Option<f64> {
+    pub(super) fn score(&self, backend: &Backend) -> Option<f64> {
         let in_flight = backend.in_flight();
         match (backend.ewma_latency(), in_flight) {
             (None, 0) => Some(0.0),
             (None, _) => None,
             (Some(ewma), 0) => Some(ewma),
             (Some(ewma), busy) => (ewma < self.latency_threshold
-                && self.ramp_room(backend.completed(), busy))
+                && self.ramp_up.has_room(backend.completed(), busy))
             .then_some(ewma),
         }
     }
@@ -23,12 +38,17 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::strategies::{RequestInfo, Strategy};
+    use crate::strategies::{Pick, QueuedLeastLatency, RequestInfo, Strategy};
 
     const THRESHOLD: f64 = 3.0;
 
     fn strategy() -> QueuedLeastLatency {
         QueuedLeastLatency::ewma(THRESHOLD, 5.0)
+    }
+
+    /// The rules [`strategy`] picks by.
+    fn rules() -> EwmaScore {
+        EwmaScore::new(THRESHOLD, RampUp(5.0))
     }
 
     fn backend(ewma: Option<f64>, in_flight: usize, completed: u64) -> Arc<Backend> {
@@ -45,44 +65,44 @@ mod tests {
         Arc::new(backend)
     }
 
-    fn pick(strategy: &QueuedLeastLatency, set: &[Arc<Backend>]) -> Option<usize> {
+    fn pick(strategy: &QueuedLeastLatency, set: &[Arc<Backend>]) -> Option<Pick> {
         strategy.pick(&RequestInfo::default(), set.into())
     }
 
     #[test]
     fn rule1_never_measured_and_idle_is_probed_first() {
         let set = [backend(Some(0.01), 0, 10), backend(None, 0, 0)];
-        assert_eq!(strategy().score(&set[1]), Some(0.0));
-        assert_eq!(pick(&strategy(), &set), Some(1));
+        assert_eq!(rules().score(&set[1]), Some(0.0));
+        assert_eq!(pick(&strategy(), &set), Some(Pick::at(1)));
     }
 
     #[test]
     fn rule2_never_measured_with_one_in_flight_is_not_a_candidate() {
         let set = [backend(None, 1, 0)];
-        assert_eq!(strategy().score(&set[0]), None);
+        assert_eq!(rules().score(&set[0]), None);
         assert_eq!(pick(&strategy(), &set), None);
     }
 
     #[test]
     fn rule3_measured_and_idle_is_a_candidate_even_above_the_threshold() {
         let set = [backend(Some(10.0), 0, 1), backend(None, 1, 0)];
-        assert_eq!(strategy().score(&set[0]), Some(10.0));
-        assert_eq!(pick(&strategy(), &set), Some(0));
+        assert_eq!(rules().score(&set[0]), Some(10.0));
+        assert_eq!(pick(&strategy(), &set), Some(Pick::at(0)));
     }
 
     #[test]
     fn rule4_measured_and_busy_needs_low_ewma_and_ramp_up_room() {
-        let strategy = strategy();
+        let rules = rules();
         // Below the threshold, 2 in flight < 5 × 1 completed.
-        assert_eq!(strategy.score(&backend(Some(1.0), 2, 1)), Some(1.0));
+        assert_eq!(rules.score(&backend(Some(1.0), 2, 1)), Some(1.0));
         // At or above the threshold: not a candidate while busy.
-        assert_eq!(strategy.score(&backend(Some(THRESHOLD), 1, 100)), None);
-        assert_eq!(strategy.score(&backend(Some(5.0), 1, 100)), None);
+        assert_eq!(rules.score(&backend(Some(THRESHOLD), 1, 100)), None);
+        assert_eq!(rules.score(&backend(Some(5.0), 1, 100)), None);
         // Ramp-up: 5 in flight is not below 5 × 1 completed.
-        assert_eq!(strategy.score(&backend(Some(0.1), 5, 1)), None);
-        assert_eq!(strategy.score(&backend(Some(0.1), 4, 1)), Some(0.1));
+        assert_eq!(rules.score(&backend(Some(0.1), 5, 1)), None);
+        assert_eq!(rules.score(&backend(Some(0.1), 4, 1)), Some(0.1));
         // Measured but nothing completed (all samples were cancelled-free failures): no room.
-        assert_eq!(strategy.score(&backend(Some(0.1), 1, 0)), None);
+        assert_eq!(rules.score(&backend(Some(0.1), 1, 0)), None);
     }
 
     #[test]
@@ -93,10 +113,10 @@ mod tests {
             backend(Some(0.2), 3, 5),
             backend(Some(0.9), 0, 5),
         ];
-        assert_eq!(pick(&strategy, &set), Some(1));
+        assert_eq!(pick(&strategy, &set), Some(Pick::at(1)));
 
         let set = [backend(Some(0.2), 2, 5), backend(Some(0.2), 1, 5)];
-        assert_eq!(pick(&strategy, &set), Some(1));
+        assert_eq!(pick(&strategy, &set), Some(Pick::at(1)));
 
         let set = [
             backend(Some(0.2), 1, 5),
@@ -104,7 +124,9 @@ mod tests {
             backend(Some(0.2), 1, 5),
             backend(Some(0.2), 1, 5),
         ];
-        let picks: Vec<_> = (0..6).map(|_| pick(&strategy, &set).unwrap()).collect();
+        let picks: Vec<_> = (0..6)
+            .map(|_| pick(&strategy, &set).unwrap().index)
+            .collect();
         let mut counts = [0; 4];
         for index in &picks {
             counts[*index] += 1;

@@ -81,8 +81,11 @@
 //! When every replica is at its limit, requests wait in the router queue instead of in a
 //! replica's own queue, so a replica added during a burst takes the waiting requests at once.
 //!
-//! The reference rules are in `ewma.rs`, the load score in `load.rs`; what the load score learns
-//! about a backend lives with it ([`Backend::strategy_slot`]), the fleet's sums in the strategy.
+//! The strategy holds one [`Mode`], the score configured with the state only that score keeps:
+//! the reference rules are in `ewma.rs`, the load score in `load/` (its rooms: what is kept per
+//! backend, the cost, the expected time to first byte, the limit, the engine's own numbers, the
+//! score and the pick's fallback order); what the load score learns about a backend lives with
+//! it ([`Backend::strategy_slot`]), the fleet's sums in the strategy.
 //!
 //! In both modes the lowest score wins; ties go to fewer requests in flight, then rotate. When no
 //! backend is a candidate the request waits in the core's FIFO queue and is dispatched as soon as
@@ -107,15 +110,15 @@
 //! load_bound = 1.1
 //! ```
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use figment::value::Value;
 use serde::Deserialize;
 
 use super::{
-    Candidates, FirstByte, LatencyConfig, Outcome, ParamsError, RequestInfo, Strategy,
+    Candidates, FirstByte, LatencyConfig, Outcome, ParamsError, Pick, RequestInfo, Strategy,
     StrategyContext, StrategyEntry, parse_params,
 };
 use crate::backend::Backend;
@@ -130,7 +133,7 @@ pub const ENTRY: StrategyEntry = StrategyEntry {
     build,
 };
 
-/// Which score ranks the candidates.
+/// The values of the `score` param: which score ranks the candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Score {
@@ -208,32 +211,33 @@ fn build(context: &StrategyContext, params: &Value) -> Result<Arc<dyn Strategy>,
 /// The queued-least-latency strategy. See the module docs for the rules.
 #[derive(Debug)]
 pub struct QueuedLeastLatency {
-    score: Score,
-    latency_threshold: f64,
-    ramp_up_factor: f64,
-    ttfb_tolerance: f64,
-    ttfb_slack: f64,
-    initial_limit: f64,
-    max_limit: f64,
-    load_bound: f64,
-    /// The load score's fleet sums and generation.
-    load: Mutex<load::LoadState>,
-    rotation: AtomicUsize,
+    /// The score configured, with its own state.
+    mode: Mode,
+    /// Ties between the best candidates rotate.
+    ties: Ties,
+}
+
+/// The two scores (`score = "ewma" | "load"`), each with what only it keeps.
+#[derive(Debug)]
+enum Mode {
+    /// The reference rules: rules 1–4 of the module docs.
+    Ewma(ewma::EwmaScore),
+    /// The load score: cost × load within a learned concurrency limit, its fleet sums and
+    /// generation.
+    Load(load::LoadScore),
 }
 
 impl QueuedLeastLatency {
     fn with(params: &Params, context: &StrategyContext) -> Self {
+        let latency_threshold = context.latency.threshold.as_secs_f64();
+        let ramp_up = RampUp(params.ramp_up_factor);
+        let mode = match params.score {
+            Score::Ewma => Mode::Ewma(ewma::EwmaScore::new(latency_threshold, ramp_up)),
+            Score::Load => Mode::Load(load::LoadScore::new(params, latency_threshold, ramp_up)),
+        };
         Self {
-            score: params.score,
-            latency_threshold: context.latency.threshold.as_secs_f64(),
-            ramp_up_factor: params.ramp_up_factor,
-            ttfb_tolerance: params.ttfb_tolerance,
-            ttfb_slack: params.ttfb_slack,
-            initial_limit: params.initial_limit,
-            max_limit: params.max_limit,
-            load_bound: params.load_bound,
-            load: Mutex::default(),
-            rotation: AtomicUsize::new(0),
+            mode,
+            ties: Ties::default(),
         }
     }
 
@@ -267,19 +271,29 @@ impl QueuedLeastLatency {
             },
         )
     }
+}
 
-    fn load_state(&self) -> MutexGuard<'_, load::LoadState> {
-        self.load
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
+/// The `ramp_up_factor` param: a busy backend may hold at most this many requests per answered
+/// one.
+#[derive(Debug, Clone, Copy)]
+struct RampUp(f64);
 
+impl RampUp {
     /// Whether a backend with `busy` requests in flight has ramp-up room, having answered
     /// `answered` requests.
-    fn ramp_room(&self, answered: u64, busy: usize) -> bool {
-        (busy as f64) < self.ramp_up_factor * answered as f64
+    fn has_room(self, answered: u64, busy: usize) -> bool {
+        (busy as f64) < self.0 * answered as f64
     }
+}
 
+/// The choice among the best-scored candidates: ties go to fewer requests in flight, then
+/// rotate.
+#[derive(Debug, Default)]
+struct Ties {
+    rotation: AtomicUsize,
+}
+
+impl Ties {
     /// The candidate with the lowest score (`None`: not a candidate); ties go to fewer requests
     /// in flight, then rotate.
     fn best<F: Fn(&Backend) -> Option<f64>>(
@@ -334,78 +348,35 @@ impl Strategy for QueuedLeastLatency {
         ENTRY.name
     }
 
-    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<usize> {
-        match self.score {
-            Score::Ewma => self.best(candidates, |backend| self.score(backend)),
-            Score::Load => {
-                let state = self.load_state();
-                // A copy the loop can keep in registers.
-                let fleet = state.fleet;
-                let generation = state.generation;
-                let demand = load::Demand::of(self, request, candidates, generation, &fleet);
-                let pick = |demand: &load::Demand<'_>| {
-                    let found = self.best(candidates, |backend| {
-                        self.load_score(backend, generation, &fleet, demand)
-                    })?;
-                    // A backend in a run of failures (its last answer an error, as the core's
-                    // outlier ejection counts them) is chosen only when no healthy one has
-                    // room under its limit, held ceilings waived.
-                    let failing = |index| {
-                        candidates
-                            .get(index)
-                            .is_some_and(|backend| backend.failures_in_a_row() > 0)
-                    };
-                    if !failing(found) {
-                        return Some(found);
-                    }
-                    let past = demand.past_ceilings();
-                    self.best(candidates, |backend| {
-                        self.load_score(backend, generation, &fleet, &past)
-                    })
-                    .or(Some(found))
-                };
-                // The guards choose among the backends with room; they never hold a request
-                // back while one has room (the others may be full up to their limits). Then
-                // the count guard alone (capacity first), then none.
-                let found = match pick(&demand) {
-                    None if demand.is_guarded() => {
-                        [demand.counted(), demand.unguarded()].iter().find_map(pick)
-                    }
-                    found => found,
-                }?;
-                // A much faster backend past its limit may still finish it sooner.
-                let Some((index, past_limit)) = candidates.get(found).and_then(|chosen| {
-                    self.overflow(chosen, candidates, generation, &fleet, &demand)
-                }) else {
-                    return Some(found);
-                };
-                if past_limit {
-                    request.send_past_limit();
-                }
-                Some(index)
-            }
+    fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
+        match &self.mode {
+            Mode::Ewma(ewma) => self
+                .ties
+                .best(candidates, |backend| ewma.score(backend))
+                .map(Pick::at),
+            Mode::Load(load) => load.pick(request, candidates, &self.ties),
         }
     }
 
     fn on_outcome(&self, backend: &Backend, outcome: &Outcome) {
-        if self.score == Score::Load {
-            self.learn(backend, outcome);
+        if let Mode::Load(load) = &self.mode {
+            load.learn(backend, outcome);
         }
     }
 
     fn on_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
-        if self.score == Score::Load {
-            self.learn_first_byte(backend, first_byte);
+        if let Mode::Load(load) = &self.mode {
+            load.learn_first_byte(backend, first_byte);
         }
     }
 
     fn reads_prompts(&self) -> bool {
-        self.score == Score::Load
+        matches!(self.mode, Mode::Load(_))
     }
 
     fn on_backends_changed(&self, backends: &[Arc<Backend>]) {
-        if self.score == Score::Load {
-            self.forget_removed(backends);
+        if let Mode::Load(load) = &self.mode {
+            load.forget_removed(backends);
         }
     }
 }
@@ -425,6 +396,28 @@ mod tests {
     }
 
     #[test]
+    fn the_score_param_selects_the_mode() {
+        let built = |score: &str| {
+            let mut dict = figment::value::Dict::new();
+            dict.insert("score".into(), Value::from(score));
+            build(&StrategyContext::default(), &Value::from(dict))
+        };
+        // The load score reads prompts; the reference rules do not.
+        assert!(built("load").unwrap().reads_prompts());
+        assert!(!built("ewma").unwrap().reads_prompts());
+        assert!(
+            build(
+                &StrategyContext::default(),
+                &Value::from(figment::value::Dict::new())
+            )
+            .unwrap()
+            .reads_prompts(),
+            "load is the default"
+        );
+        assert_eq!(built("latency").err().unwrap().field, "score");
+    }
+
+    #[test]
     fn backends_excluded_from_the_pick_are_skipped() {
         let strategy = QueuedLeastLatency::ewma(3.0, 5.0);
         let set: Vec<_> = (0..3)
@@ -434,11 +427,11 @@ mod tests {
             backend.record_latency(latency, 1.0);
         }
         let request = RequestInfo::default();
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(0));
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         let tried = [Arc::clone(&set[0])];
         let candidates = Candidates::new(&set).excluding(&tried);
-        assert_eq!(strategy.pick(&request, candidates), Some(1));
+        assert_eq!(strategy.pick(&request, candidates), Some(Pick::at(1)));
         let candidates = candidates.declining(&set[1]);
-        assert_eq!(strategy.pick(&request, candidates), Some(2));
+        assert_eq!(strategy.pick(&request, candidates), Some(Pick::at(2)));
     }
 }

@@ -10,6 +10,8 @@
 //!   (SMG, the vLLM router, installed by the bench at pinned versions) as child processes.
 //! - [`report`]: numbers, tables, JSON and CDF plots.
 //!
+//! [`run_sweep`] runs the physics sweep ([`sweep`]) against the default and the best peers.
+//!
 //! [`run_suite`] runs everything; `benches/suite.rs` is its command line and
 //! `tests/bench_smoke.rs` runs it in smoke mode. See `docs/benchmarks.md`.
 #![allow(dead_code)]
@@ -23,6 +25,7 @@ pub mod router;
 pub mod scenarios;
 pub mod sim;
 pub mod summary;
+pub mod sweep;
 pub mod trace;
 pub mod workload;
 
@@ -282,6 +285,78 @@ fn add_gateways(
         spec,
     }));
     Ok(Some(versions))
+}
+
+/// What the physics sweep runs.
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// The seed of the draws.
+    pub seed: u64,
+    /// The draws run (their numbers).
+    pub draws: std::ops::Range<usize>,
+    /// Router peers (`NAME` or `NAME:KEY=VALUE,...`); the first is the one measured.
+    pub strategies: Vec<String>,
+    /// Whether the LLM routers take part.
+    pub gateways: bool,
+    /// Where reports and peer files go.
+    pub out_dir: PathBuf,
+    /// The router executable.
+    pub router_binary: PathBuf,
+    /// The command line shown in the report.
+    pub command: String,
+}
+
+/// Runs every draw of the sweep against the router peers, nginx `least_conn` and the LLM
+/// routers' `cache_aware`, and returns the report (not yet written).
+pub async fn run_sweep(options: &SweepOptions) -> Result<sweep::SweepReport, LabError> {
+    let strategies = if options.strategies.is_empty() {
+        vec![REGISTRY[0].name.to_owned()]
+    } else {
+        options.strategies.clone()
+    };
+    let default = StrategySpec::parse(&strategies[0])?.label();
+    let mut peers = peer_specs(&strategies, None)?;
+    if let Some(binary) = nginx::find_nginx() {
+        peers.push(PeerSpec::Nginx {
+            binary,
+            balance: Balance::LeastConn,
+        });
+    }
+    if options.gateways {
+        let cache_aware = ["smg:cache_aware", "vllm-router:cache_aware"].map(str::to_owned);
+        add_gateways(&mut peers, &cache_aware, &options.out_dir)?;
+    }
+    eprintln!("[sweep] peers: {}", sweep::describe_peers(&peers));
+    let work_dir = options.out_dir.join("work");
+    std::fs::create_dir_all(&work_dir)?;
+    let mut draws = Vec::new();
+    for index in options.draws.clone() {
+        let draw = sweep::draw(options.seed, index);
+        eprintln!("[sweep] draw {index}: {}", draw.describe());
+        let context = RunContext {
+            mode: sweep::MODE,
+            seed: options.seed.wrapping_add(index as u64),
+            router_binary: &options.router_binary,
+            work_dir: &work_dir,
+            access_logs: false,
+        };
+        let scenario = draw.scenario();
+        let outcomes = scenario.run(&peers, context).await;
+        print_progress(scenario.name, context.seed, &outcomes);
+        let result = sweep::DrawResult::of(draw, outcomes, &default);
+        eprintln!(
+            "[sweep] draw {index}: p50 ÷ best {:?}, p99 ÷ best {:?}, goodput ÷ best {:?}",
+            result.p50_ratio, result.p99_ratio, result.goodput_ratio
+        );
+        draws.push(result);
+    }
+    Ok(sweep::SweepReport {
+        command: options.command.clone(),
+        date_utc: report::utc_now(),
+        seed: options.seed,
+        default,
+        draws,
+    })
 }
 
 fn describe(scenario: &Scenario, mode: Mode) -> String {

@@ -33,7 +33,10 @@ use crate::traces::Traces;
 use crate::upstream::UpstreamClient;
 
 mod h2;
+mod reload;
 use arc_swap::ArcSwap;
+
+pub use reload::Reloader;
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -86,103 +89,6 @@ fn policy_of(
         traces: traces.cloned(),
         access_log: config.access_log.then(AccessLog::to_stdout),
         decision_headers: config.decision_headers,
-    }
-}
-
-/// Applies a reloaded configuration to a running router (see [`Router::reloader`]).
-pub struct Reloader {
-    shared: Arc<Shared>,
-    running: std::sync::Mutex<Settings>,
-}
-
-impl std::fmt::Debug for Reloader {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reloader").finish_non_exhaustive()
-    }
-}
-
-/// Keys read only at start (dotted, a section standing for all its keys): a reload that changes
-/// them logs that they need a restart.
-const RESTART_KEYS: [&str; 11] = [
-    "host",
-    "port",
-    "backends",
-    "dns_refresh",
-    "max_connections",
-    "worker_threads",
-    "log_format",
-    "state_log_interval",
-    "shutdown",
-    "retry.budget",
-    "engine_metrics",
-];
-
-/// The value at a dotted `key` of a configuration as JSON (`None` if there is none).
-fn value_at<'a>(config: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
-    key.split('.')
-        .try_fold(config, |value, part| value.get(part))
-}
-
-impl Reloader {
-    /// Applies `settings` to new requests and connections: the strategy and its parameters, the
-    /// queue, retry, ejection and timeout settings, limits, the admin token and networks, the
-    /// access log and decision headers. Requests in flight keep what they started with. Keys
-    /// read only at start ([`RESTART_KEYS`]) are kept, and named in the answer.
-    pub fn apply(&self, settings: Settings) -> Vec<&'static str> {
-        let mut running = self
-            .running
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let old = serde_json::to_value(&running.config).unwrap_or_default();
-        let new = serde_json::to_value(&settings.config).unwrap_or_default();
-        let needs_restart: Vec<&'static str> = RESTART_KEYS
-            .into_iter()
-            .filter(|key| value_at(&old, key) != value_at(&new, key))
-            .collect();
-        // The strategy is built with the `[latency]` settings too (the reference rules' threshold).
-        let strategy_changed = running.config.strategy != settings.config.strategy
-            || running.config.latency != settings.config.latency;
-        let strategy = strategy_changed.then(|| Arc::clone(&settings.strategy));
-        self.shared
-            .balancer
-            .reconfigure(settings.tuning(), strategy);
-        let names = self.shared.client.load().tls_names().clone();
-        let client = Arc::new(settings.upstream_client(names));
-        self.shared.client.store(Arc::clone(&client));
-        let policy = policy_of(
-            &settings,
-            self.shared.traces.as_ref(),
-            client,
-            &self.shared.retry_budget,
-        );
-        self.shared.policy.store(Arc::new(policy));
-        self.shared
-            .admin
-            .store(Arc::new(settings.config.admin.clone()));
-        self.shared.limits.store(Arc::new(settings.config.limits));
-        // What runs is what is kept: keys read only at start keep their running values, so a
-        // later reload compares against them (and still names them) and the log shows them.
-        let mut settings = settings;
-        let (kept, config) = (&running.config, &mut settings.config);
-        config.host.clone_from(&kept.host);
-        config.port = kept.port;
-        config.backends.clone_from(&kept.backends);
-        config.dns_refresh = kept.dns_refresh;
-        config.max_connections = kept.max_connections;
-        config.worker_threads = kept.worker_threads;
-        config.log_format = kept.log_format;
-        config.state_log_interval = kept.state_log_interval;
-        config.shutdown = kept.shutdown;
-        config.retry.budget = kept.retry.budget;
-        config.engine_metrics.clone_from(&kept.engine_metrics);
-        debug_assert!({
-            let stored = serde_json::to_value(&*config).unwrap_or_default();
-            RESTART_KEYS
-                .iter()
-                .all(|key| value_at(&old, key) == value_at(&stored, key))
-        });
-        *running = settings;
-        needs_restart
     }
 }
 
@@ -470,10 +376,7 @@ impl Router {
 
     /// What applies a reloaded configuration to this router while it serves.
     pub fn reloader(&self) -> Reloader {
-        Reloader {
-            shared: Arc::clone(&self.shared),
-            running: std::sync::Mutex::new(self.settings.clone()),
-        }
+        Reloader::new(Arc::clone(&self.shared), self.settings.clone())
     }
 
     /// The balancer, for inspection and for setting backends without HTTP.

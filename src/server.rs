@@ -57,12 +57,17 @@ pub enum StartError {
     Traces(String),
 }
 
+/// What the router's connections and requests share, and a reload replaces parts of.
 struct Shared {
+    /// Admission, the backends and their statistics (reconfigured by a reload).
     balancer: Arc<Balancer>,
     /// What proxying is held to; replaced by a reload.
     policy: ArcSwap<ProxyPolicy>,
+    /// The admin API's settings (the token set-backends requires, the networks backends must be
+    /// in); replaced by a reload.
     admin: ArcSwap<AdminConfig>,
-    /// What new HTTP/1 connections are held to; replaced by a reload.
+    /// What new client connections are held to, HTTP/1 and HTTP/2 (the header timeout also
+    /// bounds the wait for a new connection's first bytes); replaced by a reload.
     limits: ArcSwap<h1::server::Limits>,
     /// The tracer (made once at start, from the `OTEL_*` environment).
     traces: Option<Traces>,
@@ -72,6 +77,8 @@ struct Shared {
     retry_budget: Arc<RetryBudget>,
 }
 
+/// What proxying is held to under `settings`, with the router's `traces`: requests go through
+/// `client` and share `retry_budget`.
 fn policy_of(
     settings: &Settings,
     traces: Option<&Traces>,
@@ -113,8 +120,11 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 /// A bound router, ready to serve.
 pub struct Router {
+    /// What its connections and requests share (its reloader holds it too).
     shared: Arc<Shared>,
+    /// The bound socket it will accept connections from.
     listener: TcpListener,
+    /// The configuration it was bound with, which its reloader starts from.
     settings: Settings,
 }
 
@@ -149,6 +159,8 @@ impl Router {
         Self::with_listener(settings, listener)
     }
 
+    /// The router that serves `settings` on `listener`: balancer, upstream client, retry budget,
+    /// tracer; the fixed backends set at once.
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = settings.balancer()?;
         let client = Arc::new(ArcSwap::from_pointee(
@@ -286,20 +298,24 @@ impl Router {
 /// The accept loop's state: at most `max_connections` connections are served at once; further
 /// clients wait in the listen backlog.
 struct Acceptor {
-    /// What HTTP/1 connections are held to; the header timeout also bounds the wait for a new
-    /// connection's first byte.
+    /// The bound socket connections are accepted from; each may be HTTP/1.1 or HTTP/2 with prior
+    /// knowledge (the protocol is read from its first bytes).
     listener: TcpListener,
-    /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
+    /// hyper's HTTP/2 server, for the connections that open with the HTTP/2 preface.
     builder: Arc<auto::Builder<TokioExecutor>>,
     /// Tells connections the router drains.
     draining: watch::Sender<bool>,
     /// Held by each connection until it ends.
     open: mpsc::Sender<()>,
+    /// One permit per connection served at once (`max_connections`), held until it ends.
     slots: Arc<Semaphore>,
+    /// What the connections' requests are routed with.
     shared: Arc<Shared>,
 }
 
 impl Acceptor {
+    /// Accepts connections, each once a slot is free, and serves each in a task of its own,
+    /// until `stop` resolves.
     async fn accept_until(&self, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
         loop {
@@ -323,6 +339,8 @@ impl Acceptor {
         }
     }
 
+    /// Serves one accepted connection in a task of its own: HTTP/1.1 by `h1::server`, HTTP/2 by
+    /// hyper; the connection holds `slot`, and a clone of `open`, until it ends.
     fn serve_connection(&self, stream: TcpStream, peer: SocketAddr, slot: OwnedSemaphorePermit) {
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&self.shared);
@@ -457,6 +475,8 @@ async fn reap_idle_connections(balancer: Arc<Balancer>) {
     }
 }
 
+/// Logs the queue depth and each backend's in-flight count, EWMA latency and completed count,
+/// `every` apart.
 async fn log_state_periodically(balancer: Arc<Balancer>, every: Duration) {
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -1,16 +1,17 @@
 //! The listener: accepts HTTP/1.1 and HTTP/2 cleartext connections, routes admin paths to the
 //! admin API and everything else through the balancer to a backend, and shuts down gracefully.
+//! HTTP/1.1 connections are served by `h1::server`; HTTP/2 ones by hyper (`h2c`, under the
+//! watch of `h2`); a reloaded configuration is applied by [`Reloader`] (`reload`).
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use futures_util::future::Either;
-use http::{HeaderValue, Request, Response, StatusCode, header};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use http::{Request, Response, StatusCode};
+use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
@@ -18,7 +19,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use crate::access_log::AccessLog;
 use crate::admin::{self, AdminConfig};
 use crate::balancer::Balancer;
-use crate::body::{ClientBody, H2Body};
+use crate::body::ClientBody;
 use crate::config::Settings;
 use crate::forwarding::ForwardedFor;
 use crate::h1::{self, FieldLines};
@@ -27,13 +28,15 @@ use crate::metrics::MetricsError;
 use crate::observed::ResponseBody;
 use crate::pool;
 use crate::proxy::{self, ProxyPolicy};
-use crate::response;
 use crate::retry_budget::RetryBudget;
 use crate::traces::Traces;
 use crate::upstream::UpstreamClient;
 
 mod h2;
-use arc_swap::ArcSwap;
+mod h2c;
+mod reload;
+
+pub use reload::Reloader;
 
 /// Errors starting the router.
 #[derive(Debug, thiserror::Error)]
@@ -54,12 +57,17 @@ pub enum StartError {
     Traces(String),
 }
 
+/// What the router's connections and requests share, and a reload replaces parts of.
 struct Shared {
+    /// Admission, the backends and their statistics (reconfigured by a reload).
     balancer: Arc<Balancer>,
     /// What proxying is held to; replaced by a reload.
     policy: ArcSwap<ProxyPolicy>,
+    /// The admin API's settings (the token set-backends requires, the networks backends must be
+    /// in); replaced by a reload.
     admin: ArcSwap<AdminConfig>,
-    /// What new HTTP/1 connections are held to; replaced by a reload.
+    /// What new client connections are held to, HTTP/1 and HTTP/2 (the header timeout also
+    /// bounds the wait for a new connection's first bytes); replaced by a reload.
     limits: ArcSwap<h1::server::Limits>,
     /// The tracer (made once at start, from the `OTEL_*` environment).
     traces: Option<Traces>,
@@ -69,6 +77,8 @@ struct Shared {
     retry_budget: Arc<RetryBudget>,
 }
 
+/// What proxying is held to under `settings`, with the router's `traces`: requests go through
+/// `client` and share `retry_budget`.
 fn policy_of(
     settings: &Settings,
     traces: Option<&Traces>,
@@ -86,103 +96,6 @@ fn policy_of(
         traces: traces.cloned(),
         access_log: config.access_log.then(AccessLog::to_stdout),
         decision_headers: config.decision_headers,
-    }
-}
-
-/// Applies a reloaded configuration to a running router (see [`Router::reloader`]).
-pub struct Reloader {
-    shared: Arc<Shared>,
-    running: std::sync::Mutex<Settings>,
-}
-
-impl std::fmt::Debug for Reloader {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reloader").finish_non_exhaustive()
-    }
-}
-
-/// Keys read only at start (dotted, a section standing for all its keys): a reload that changes
-/// them logs that they need a restart.
-const RESTART_KEYS: [&str; 11] = [
-    "host",
-    "port",
-    "backends",
-    "dns_refresh",
-    "max_connections",
-    "worker_threads",
-    "log_format",
-    "state_log_interval",
-    "shutdown",
-    "retry.budget",
-    "engine_metrics",
-];
-
-/// The value at a dotted `key` of a configuration as JSON (`None` if there is none).
-fn value_at<'a>(config: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
-    key.split('.')
-        .try_fold(config, |value, part| value.get(part))
-}
-
-impl Reloader {
-    /// Applies `settings` to new requests and connections: the strategy and its parameters, the
-    /// queue, retry, ejection and timeout settings, limits, the admin token and networks, the
-    /// access log and decision headers. Requests in flight keep what they started with. Keys
-    /// read only at start ([`RESTART_KEYS`]) are kept, and named in the answer.
-    pub fn apply(&self, settings: Settings) -> Vec<&'static str> {
-        let mut running = self
-            .running
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let old = serde_json::to_value(&running.config).unwrap_or_default();
-        let new = serde_json::to_value(&settings.config).unwrap_or_default();
-        let needs_restart: Vec<&'static str> = RESTART_KEYS
-            .into_iter()
-            .filter(|key| value_at(&old, key) != value_at(&new, key))
-            .collect();
-        // The strategy is built with the `[latency]` settings too (the reference rules' threshold).
-        let strategy_changed = running.config.strategy != settings.config.strategy
-            || running.config.latency != settings.config.latency;
-        let strategy = strategy_changed.then(|| Arc::clone(&settings.strategy));
-        self.shared
-            .balancer
-            .reconfigure(settings.tuning(), strategy);
-        let names = self.shared.client.load().tls_names().clone();
-        let client = Arc::new(settings.upstream_client(names));
-        self.shared.client.store(Arc::clone(&client));
-        let policy = policy_of(
-            &settings,
-            self.shared.traces.as_ref(),
-            client,
-            &self.shared.retry_budget,
-        );
-        self.shared.policy.store(Arc::new(policy));
-        self.shared
-            .admin
-            .store(Arc::new(settings.config.admin.clone()));
-        self.shared.limits.store(Arc::new(settings.config.limits));
-        // What runs is what is kept: keys read only at start keep their running values, so a
-        // later reload compares against them (and still names them) and the log shows them.
-        let mut settings = settings;
-        let (kept, config) = (&running.config, &mut settings.config);
-        config.host.clone_from(&kept.host);
-        config.port = kept.port;
-        config.backends.clone_from(&kept.backends);
-        config.dns_refresh = kept.dns_refresh;
-        config.max_connections = kept.max_connections;
-        config.worker_threads = kept.worker_threads;
-        config.log_format = kept.log_format;
-        config.state_log_interval = kept.state_log_interval;
-        config.shutdown = kept.shutdown;
-        config.retry.budget = kept.retry.budget;
-        config.engine_metrics.clone_from(&kept.engine_metrics);
-        debug_assert!({
-            let stored = serde_json::to_value(&*config).unwrap_or_default();
-            RESTART_KEYS
-                .iter()
-                .all(|key| value_at(&old, key) == value_at(&stored, key))
-        });
-        *running = settings;
-        needs_restart
     }
 }
 
@@ -205,192 +118,13 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Serves an HTTP/2 (h2c) connection with hyper until it ends, the router has drained it, it
-/// has stayed idle for the header timeout or a stream's answer stalled for the send timeout
-/// (see [`h2`]).
-async fn serve_h2(
-    builder: &auto::Builder<TokioExecutor>,
-    stream: TcpStream,
-    shared: Arc<Shared>,
-    client: Arc<ForwardedFor>,
-    mut draining: watch::Receiver<bool>,
-    peer: SocketAddr,
-    limits: h1::server::Limits,
-) {
-    let streams = Arc::new(h2::Streams::new());
-    let service = service_fn({
-        let streams = Arc::clone(&streams);
-        move |request: Request<hyper::body::Incoming>| {
-            let shared = Arc::clone(&shared);
-            let client = Arc::clone(&client);
-            let stream = streams.open();
-            async move {
-                let mut request = request;
-                if let Err((status, refusal)) = h2_as_http1(&mut request, &limits) {
-                    let answer = response::error(status, refusal);
-                    return Ok(answer.map(|body| h2::Watched::new(body, stream)));
-                }
-                let request = request.map(|body| {
-                    ClientBody::Right(H2Body::new(
-                        body,
-                        limits.body_read_timeout,
-                        limits.allow_underscore_headers,
-                    ))
-                });
-                let mut answer = route(&shared, request, None, &client).await;
-                fields_into_map(&mut answer);
-                Ok::<_, Infallible>(answer.map(|body| h2::Watched::new(body, stream)))
-            }
-        }
-    });
-    let connection = builder.serve_connection(TokioIo::new(stream), service);
-    tokio::pin!(connection);
-    let (send_timeout, idle) = (limits.send_timeout, limits.header_read_timeout);
-    let period = h2::check_period(send_timeout, idle);
-    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Told GOAWAY (draining or idle) at this time: the connection ends once its open streams
-    // have, and is dropped when none is open `grace` after it (a client that never acks the
-    // GOAWAY's PING, or never takes an answer's last bytes, would hold it forever).
-    let mut closing: Option<tokio::time::Instant> = None;
-    let grace = send_timeout.min(idle);
-    loop {
-        tokio::select! {
-            ended = connection.as_mut() => {
-                if let Err(error) = ended {
-                    tracing::debug!(%peer, error = %error, "connection ended with an error");
-                }
-                return;
-            }
-            _ = draining.wait_for(|draining| *draining), if closing.is_none() => {
-                closing = Some(tokio::time::Instant::now());
-                connection.as_mut().graceful_shutdown();
-            }
-            () = streams.overrun() => {
-                tracing::debug!(%peer, "streams went on opening after GOAWAY: connection dropped");
-                return;
-            }
-            () = streams.spent(), if closing.is_none() => {
-                tracing::debug!(%peer, "connection opened its last stream: told GOAWAY");
-                closing = Some(tokio::time::Instant::now());
-                connection.as_mut().graceful_shutdown();
-            }
-            _ = check.tick() => {
-                match streams.check(send_timeout, idle) {
-                    h2::Verdict::Fine => {}
-                    h2::Verdict::Idle => {
-                        if closing.is_none() {
-                            closing = Some(tokio::time::Instant::now());
-                            connection.as_mut().graceful_shutdown();
-                        }
-                    }
-                    h2::Verdict::Stalled => {
-                        tracing::debug!(%peer, "a stream's answer was not taken for send_timeout: connection closed");
-                        return;
-                    }
-                }
-                if closing.is_some_and(|since| since.elapsed() >= grace) && streams.none_open() {
-                    tracing::debug!(%peer, "told GOAWAY, no stream open, not closed by the client: connection dropped");
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// Makes an HTTP/2 request that hyper accepted into what its HTTP/1.1 head will say, or says
-/// why it is answered instead (400, or 431 for too many fields): what the backend reads from
-/// that head must be what the client asked, held to the HTTP/1 server's rules (RFC 9113 §8.3.1
-/// for the authority, §8.2.3 for cookies).
-fn h2_as_http1(
-    request: &mut Request<hyper::body::Incoming>,
-    limits: &h1::server::Limits,
-) -> Result<(), (StatusCode, &'static str)> {
-    let bad = |refusal| Err((StatusCode::BAD_REQUEST, refusal));
-    let headers = request.headers_mut();
-    // As many fields as the HTTP/1 server takes: the backend reads them as an HTTP/1.1 head,
-    // where the cookie crumbs are one line (joined below).
-    let crumbs = headers.get_all(header::COOKIE).iter().count();
-    if headers.len() - crumbs.saturating_sub(1) > h1::MAX_HEADERS {
-        return Err((
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "too many header fields",
-        ));
-    }
-    if !limits.allow_underscore_headers {
-        h1::drop_underscore_fields(headers);
-    }
-    // One `Host` and one `Content-Length` at most (RFC 9112 §3.2, §6.3), as the HTTP/1 server
-    // and nginx require: h2 only checks that repeated lengths agree, and a backend would read
-    // repeated fields as it likes. The length is held to the HTTP/1 syntax (h2 takes an empty
-    // value for 0).
-    for (name, refusal) in [
-        (header::HOST, "duplicate Host"),
-        (header::CONTENT_LENGTH, "duplicate Content-Length"),
-    ] {
-        if headers.get_all(name).iter().nth(1).is_some() {
-            return bad(refusal);
-        }
-    }
-    if let Some(length) = headers.get(header::CONTENT_LENGTH) {
-        if h1::parse_content_length(length.as_bytes()).is_err() {
-            return bad("invalid Content-Length");
-        }
-    }
-    // The `:authority` is the `Host` the backend reads, held to the HTTP/1 server's rule (and
-    // without user information); a `host` field that says otherwise is malformed (RFC 9113
-    // §8.3.1), and a request with neither is the HTTP/1.1 request without `Host` the HTTP/1
-    // server refuses.
-    let authority = request
-        .uri()
-        .authority()
-        .map(|authority| authority.as_str().as_bytes());
-    let host = request
-        .headers()
-        .get(header::HOST)
-        .map(HeaderValue::as_bytes);
-    if let Some(refusal) = h1::server::host_refusal(authority, host) {
-        return bad(refusal);
-    }
-    if authority.is_none() && host.is_none() {
-        return bad("request without Host");
-    }
-    // Cookies split into fields of their own (as browsers send them over HTTP/2) are one line
-    // again, joined with "; " (RFC 9113 §8.2.3).
-    let headers = request.headers_mut();
-    if headers.get_all(header::COOKIE).iter().nth(1).is_some() {
-        let mut joined = Vec::new();
-        for (at, value) in headers.get_all(header::COOKIE).iter().enumerate() {
-            if at > 0 {
-                joined.extend_from_slice(b"; ");
-            }
-            joined.extend_from_slice(value.as_bytes());
-        }
-        match HeaderValue::from_bytes(&joined) {
-            Ok(joined) => {
-                headers.insert(header::COOKIE, joined);
-            }
-            Err(_) => return bad("invalid Cookie"),
-        }
-    }
-    // The `:path` becomes the request target: origin form, or asterisk form for OPTIONS only
-    // (RFC 9113 §8.3.1), as the HTTP/1 server requires. hyper lets a path that starts with `?`
-    // through (`GET ?a HTTP/1.1`).
-    let uri = request.uri();
-    if let Some(refusal) = h1::server::target_form_refusal(request.method(), uri) {
-        return bad(refusal);
-    }
-    let target = uri.path_and_query().map(|path| path.as_str());
-    match target {
-        Some(target) if target != "*" && !target.starts_with('/') => bad("invalid request target"),
-        _ => Ok(()),
-    }
-}
-
 /// A bound router, ready to serve.
 pub struct Router {
+    /// What its connections and requests share (its reloader holds it too).
     shared: Arc<Shared>,
+    /// The bound socket it will accept connections from.
     listener: TcpListener,
+    /// The configuration it was bound with, which its reloader starts from.
     settings: Settings,
 }
 
@@ -425,6 +159,8 @@ impl Router {
         Self::with_listener(settings, listener)
     }
 
+    /// The router that serves `settings` on `listener`: balancer, upstream client, retry budget,
+    /// tracer; the fixed backends set at once.
     fn with_listener(settings: Settings, listener: TcpListener) -> Result<Self, StartError> {
         let balancer = settings.balancer()?;
         let client = Arc::new(ArcSwap::from_pointee(
@@ -470,10 +206,7 @@ impl Router {
 
     /// What applies a reloaded configuration to this router while it serves.
     pub fn reloader(&self) -> Reloader {
-        Reloader {
-            shared: Arc::clone(&self.shared),
-            running: std::sync::Mutex::new(self.settings.clone()),
-        }
+        Reloader::new(Arc::clone(&self.shared), self.settings.clone())
     }
 
     /// The balancer, for inspection and for setting backends without HTTP.
@@ -491,19 +224,10 @@ impl Router {
             settings,
         } = self;
         let config = &settings.config;
-        // hyper serves only connections that opened with the HTTP/2 preface.
-        let mut builder = auto::Builder::new(TokioExecutor::new()).http2_only();
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .max_concurrent_streams(h2::MAX_CONCURRENT_STREAMS)
-            .max_header_list_size(
-                u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
-            );
         let (open, mut all_closed) = mpsc::channel::<()>(1);
         let acceptor = Acceptor {
             listener,
-            builder: Arc::new(builder),
+            builder: Arc::new(h2c::builder(&config.limits)),
             draining: watch::channel(false).0,
             open,
             slots: Arc::new(Semaphore::new(settings.max_connections())),
@@ -574,20 +298,24 @@ impl Router {
 /// The accept loop's state: at most `max_connections` connections are served at once; further
 /// clients wait in the listen backlog.
 struct Acceptor {
-    /// What HTTP/1 connections are held to; the header timeout also bounds the wait for a new
-    /// connection's first byte.
+    /// The bound socket connections are accepted from; each may be HTTP/1.1 or HTTP/2 with prior
+    /// knowledge (the protocol is read from its first bytes).
     listener: TcpListener,
-    /// Connections that may be HTTP/2 with prior knowledge: the protocol is read from the preface.
+    /// hyper's HTTP/2 server, for the connections that open with the HTTP/2 preface.
     builder: Arc<auto::Builder<TokioExecutor>>,
     /// Tells connections the router drains.
     draining: watch::Sender<bool>,
     /// Held by each connection until it ends.
     open: mpsc::Sender<()>,
+    /// One permit per connection served at once (`max_connections`), held until it ends.
     slots: Arc<Semaphore>,
+    /// What the connections' requests are routed with.
     shared: Arc<Shared>,
 }
 
 impl Acceptor {
+    /// Accepts connections, each once a slot is free, and serves each in a task of its own,
+    /// until `stop` resolves.
     async fn accept_until(&self, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
         loop {
@@ -611,6 +339,8 @@ impl Acceptor {
         }
     }
 
+    /// Serves one accepted connection in a task of its own: HTTP/1.1 by `h1::server`, HTTP/2 by
+    /// hyper; the connection holds `slot`, and a clone of `open`, until it ends.
     fn serve_connection(&self, stream: TcpStream, peer: SocketAddr, slot: OwnedSemaphorePermit) {
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&self.shared);
@@ -622,7 +352,8 @@ impl Acceptor {
         tokio::spawn(async move {
             // A client that connects and sends nothing does not keep a connection slot, nor a
             // drain waiting: it is closed when draining starts.
-            let preface = tokio::time::timeout(limits.header_read_timeout, h2_preface(&stream));
+            let preface =
+                tokio::time::timeout(limits.header_read_timeout, h2c::h2_preface(&stream));
             let mut drain_started = draining.clone();
             let preface = tokio::select! {
                 preface = preface => preface,
@@ -643,69 +374,11 @@ impl Acceptor {
             }
             // Boxed: an HTTP/2 connection's state is large, and the task of every HTTP/1
             // connection would be as large if it were kept inline.
-            let served = serve_h2(&builder, stream, shared, client, draining, peer, limits);
+            let served = h2c::serve_h2(&builder, stream, shared, client, draining, peer, limits);
             Box::pin(served).await;
             drop(open);
             drop(slot);
         });
-    }
-}
-
-/// The HTTP/2 connection preface (RFC 9113 §3.4).
-const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Whether the connection opens with the whole HTTP/2 preface: peeks until the bytes received
-/// stop matching it (`false`) or match it whole (`true`); `None` if the client closed first.
-async fn h2_preface(stream: &TcpStream) -> Option<bool> {
-    let mut first = [0u8; H2_PREFACE.len()];
-    let mut seen = 0;
-    loop {
-        let peeked = stream.peek(&mut first).await.ok()?;
-        if peeked == 0 {
-            return None;
-        }
-        if !H2_PREFACE.starts_with(&first[..peeked]) {
-            return Some(false);
-        }
-        if peeked == H2_PREFACE.len() {
-            return Some(true);
-        }
-        if peeked == seen {
-            // A prefix of the preface and nothing new yet. A peek leaves the socket readable, so
-            // there is no readiness to wait on: look again shortly (only a client whose first
-            // segment is a prefix of the preface, such as a lone `P`, comes here).
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        seen = peeked;
-    }
-}
-
-/// Puts the field lines a plain-HTTP backend sent into the response's map, for hyper to write
-/// (the router's HTTP/1 server writes the lines as they are).
-fn fields_into_map(answer: &mut Response<ResponseBody>) {
-    let http_body_util::Either::Left(observed) = answer.body() else {
-        return;
-    };
-    let Some(passthrough) = observed.passthrough() else {
-        return;
-    };
-    let lines = passthrough.lines.clone();
-    let mut fields = Vec::new();
-    for line in lines.split(|&b| b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(colon) = line.iter().position(|&b| b == b':') else {
-            continue;
-        };
-        let (Ok(name), Ok(value)) = (
-            http::HeaderName::from_bytes(&line[..colon]),
-            http::HeaderValue::from_bytes(line[colon + 1..].trim_ascii()),
-        ) else {
-            continue;
-        };
-        fields.push((name, value));
-    }
-    for (name, value) in fields {
-        answer.headers_mut().append(name, value);
     }
 }
 
@@ -802,6 +475,8 @@ async fn reap_idle_connections(balancer: Arc<Balancer>) {
     }
 }
 
+/// Logs the queue depth and each backend's in-flight count, EWMA latency and completed count,
+/// `every` apart.
 async fn log_state_periodically(balancer: Arc<Balancer>, every: Duration) {
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -29,7 +29,7 @@ use std::time::Duration;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
-/// A stream's answer not waiting on the connection.
+/// The clock of a stream whose answer is not waiting on the connection.
 const NOT_WAITING: u64 = u64::MAX;
 
 /// The streams of one connection, as the watch sees them.
@@ -63,6 +63,8 @@ pub(super) const MAX_CONCURRENT_STREAMS: u32 = 128;
 /// One stream's answer: since when its last frame has waited for the connection to take on.
 #[derive(Debug)]
 struct StreamClock {
+    /// When the answer's last frame started waiting (milliseconds from the connection's start),
+    /// or [`NOT_WAITING`].
     waiting_since_ms: AtomicU64,
 }
 
@@ -78,6 +80,7 @@ pub(super) enum Verdict {
 }
 
 impl Streams {
+    /// A connection's streams, none opened yet; its clocks count from now.
     pub(super) fn new() -> Self {
         Self {
             epoch: Instant::now(),
@@ -99,6 +102,7 @@ impl Streams {
         self.spent.notified().await;
     }
 
+    /// Milliseconds since the connection started.
     fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(NOT_WAITING - 1)
     }
@@ -159,6 +163,7 @@ impl Streams {
     }
 }
 
+/// `duration` in whole milliseconds.
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
@@ -171,7 +176,9 @@ pub(super) fn check_period(send_timeout: Duration, idle: Duration) -> Duration {
 /// An open stream, from its request until its answer is dropped.
 #[derive(Debug)]
 pub(super) struct StreamGuard {
+    /// The connection's streams, told when this one ends.
     streams: Arc<Streams>,
+    /// This stream's clock (in the connection's list while this guard holds it).
     clock: Arc<StreamClock>,
 }
 
@@ -187,11 +194,14 @@ impl Drop for StreamGuard {
 /// hyper polls for the next one (hyper does so once the client's windows take the frame).
 #[derive(Debug)]
 pub(super) struct Watched<B> {
+    /// The answer's body.
     body: B,
+    /// Its stream, open until the answer is dropped.
     stream: StreamGuard,
 }
 
 impl<B> Watched<B> {
+    /// `body`, the answer of `stream`, watched.
     pub(super) fn new(body: B, stream: StreamGuard) -> Self {
         Self { body, stream }
     }

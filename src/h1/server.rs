@@ -35,7 +35,7 @@ use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -54,6 +54,7 @@ use super::{
     drop_underscore_fields, field_spans, hop_by_hop, is_chunked, parse_content_length, poll_body,
     write_all_vectored,
 };
+use crate::dates::http_date_now;
 
 /// Request bodies of known length up to this many bytes are read with their head.
 pub const READ_WHOLE: u64 = 64 * 1024;
@@ -312,7 +313,7 @@ fn refusal(out: &mut Vec<u8>, status: StatusCode, message: &str) {
     out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
     out.extend_from_slice(digits::<10>(body.len() as u64).as_bytes());
     out.extend_from_slice(b"\r\nconnection: close\r\ndate: ");
-    append_date(out);
+    out.extend_from_slice(&http_date_now());
     out.extend_from_slice(b"\r\n\r\n");
     out.extend_from_slice(&body);
 }
@@ -1202,7 +1203,7 @@ fn encode_response_head<B: Answer>(
     }
     if !dated {
         out.extend_from_slice(b"date: ");
-        append_date(out);
+        out.extend_from_slice(&http_date_now());
         out.extend_from_slice(b"\r\n");
     }
     let framing = if bodiless {
@@ -1384,76 +1385,6 @@ fn write_body<'a, B: Answer + 'a>(
     }
 }
 
-/// Appends the current time as an HTTP date (IMF-fixdate), formatted once per second.
-fn append_date(out: &mut Vec<u8>) {
-    thread_local! {
-        static CACHED: std::cell::Cell<(u64, [u8; 29])> = const { std::cell::Cell::new((u64::MAX, [0; 29])) };
-    }
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs());
-    let text = CACHED.with(|cached| {
-        let (second, text) = cached.get();
-        if second == now {
-            return text;
-        }
-        let text = http_date(now);
-        cached.set((now, text));
-        text
-    });
-    out.extend_from_slice(&text);
-}
-
-/// Year, month (1–12) and day of the month of the day `days` after 1970-01-01 (Howard
-/// Hinnant's algorithm).
-pub fn civil_date(days: u64) -> (i64, i64, i64) {
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let shifted_month = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
-    let month = if shifted_month < 10 {
-        shifted_month + 3
-    } else {
-        shifted_month - 9
-    };
-    (year_of_era + era * 400 + i64::from(month <= 2), month, day)
-}
-
-/// `Sun, 06 Nov 1994 08:49:37 GMT` for `seconds` since the Unix epoch.
-fn http_date(seconds: u64) -> [u8; 29] {
-    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
-    const MONTHS: [&[u8; 3]; 12] = [
-        b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov",
-        b"Dec",
-    ];
-    let days = seconds / 86_400;
-    let second_of_day = seconds % 86_400;
-    let (year, month, day) = civil_date(days);
-    let mut text = [0u8; 29];
-    let two = |value: u64| [b'0' + (value / 10) as u8, b'0' + (value % 10) as u8];
-    text[..3].copy_from_slice(DAYS[(days % 7) as usize]);
-    text[3..5].copy_from_slice(b", ");
-    text[5..7].copy_from_slice(&two(day as u64));
-    text[7] = b' ';
-    text[8..11].copy_from_slice(MONTHS[(month - 1) as usize]);
-    text[11] = b' ';
-    let year = year.clamp(0, 9999) as u64;
-    text[12..14].copy_from_slice(&two(year / 100));
-    text[14..16].copy_from_slice(&two(year % 100));
-    text[16] = b' ';
-    text[17..19].copy_from_slice(&two(second_of_day / 3600));
-    text[19] = b':';
-    text[20..22].copy_from_slice(&two(second_of_day / 60 % 60));
-    text[22] = b':';
-    text[23..25].copy_from_slice(&two(second_of_day % 60));
-    text[25..29].copy_from_slice(b" GMT");
-    text
-}
-
 /// A request body read from the client's connection as it is polled. At its end it leaves the
 /// connection's reading side for the next request; dropped before its end, the connection
 /// closes after the response. It fails with [`io::ErrorKind::TimedOut`] when the client sends
@@ -1578,14 +1509,6 @@ mod tests {
         ] {
             assert!(!valid_host(host), "{}", String::from_utf8_lossy(host));
         }
-    }
-
-    #[test]
-    fn dates_are_imf_fixdates() {
-        assert_eq!(&http_date(784_111_777), b"Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(&http_date(0), b"Thu, 01 Jan 1970 00:00:00 GMT");
-        assert_eq!(&http_date(951_782_400), b"Tue, 29 Feb 2000 00:00:00 GMT");
-        assert_eq!(&http_date(1_796_083_199), b"Mon, 30 Nov 2026 23:59:59 GMT");
     }
 
     #[test]

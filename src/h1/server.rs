@@ -341,13 +341,6 @@ fn json_string(out: &mut Vec<u8>, text: &str) {
 /// in-memory pipe in tests).
 pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
 
-/// Serves one client connection, read from `reader` and written to `writer`, with `handler`
-/// until it ends (see the module documentation).
-///
-/// Each request is two steps, each its own future inside this one: [`receive`] (the head, the
-/// body when it is read whole, the handler's answer and its head) and [`write_body`]. Their states
-/// share one place in the connection's task, so a connection whose answer streams holds the
-/// response writer's state and the connection's own (buffers, timers), not the request's.
 /// A client connection's writing side, which may also tell whether the client closed its side
 /// without anything being read: while a streamed request body holds the reading side unread
 /// (the request waits in the router queue), that is how its leaving is seen.
@@ -373,6 +366,13 @@ impl ClientWrite for tokio::net::tcp::OwnedWriteHalf {
 
 impl<T: AsyncRead + AsyncWrite> ClientWrite for tokio::io::WriteHalf<T> {}
 
+/// Serves one client connection, read from `reader` and written to `writer`, with `handler`
+/// until it ends (see the module documentation).
+///
+/// Each request is two steps, each its own future inside this one: `receive` (the head, the
+/// body when it is read whole, the handler's answer and its head) and `write_body`. Their states
+/// share one place in the connection's task, so a connection whose answer streams holds the
+/// response writer's state and the connection's own (buffers, timers), not the request's.
 pub async fn serve<H: Handler, W: ClientWrite>(
     reader: ReadSide,
     writer: W,

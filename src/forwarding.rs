@@ -228,8 +228,8 @@ impl RequestHead {
 
     /// The head for one attempt to the plain-HTTP backend `addr`: origin form (authority form
     /// for `CONNECT`), with the backend's `Host` if the client sent none.
-    pub(crate) fn h1<'a>(&'a self, addr: &'a BackendAddr) -> h1::RequestHead<'a> {
-        h1::RequestHead {
+    pub(crate) fn h1<'a>(&'a self, addr: &'a BackendAddr) -> h1::OutgoingHead<'a> {
+        h1::OutgoingHead {
             method: &self.method,
             target: if self.method == Method::CONNECT {
                 addr.authority().as_str()
@@ -237,11 +237,11 @@ impl RequestHead {
                 self.path_and_query.as_str()
             },
             fields: match &self.fields {
-                HeadFields::Map(headers) => h1::client::HeadFields::Map(headers),
+                HeadFields::Map(headers) => h1::client::OutgoingFields::Map(headers),
                 HeadFields::Lines {
                     lines,
                     forwarded_for,
-                } => h1::client::HeadFields::Lines {
+                } => h1::client::OutgoingFields::Lines {
                     lines: lines.lines(),
                     forwarded_for: forwarded_for.as_bytes(),
                     forwarded_proto: FORWARDED_PROTO_VALUE.as_bytes(),

@@ -23,7 +23,7 @@ use crate::backend::{Backend, ErrorKind};
 use crate::body::{BodyFailure, UpstreamBody};
 pub use crate::h1::Connection;
 pub use crate::h1::idle::{IDLE_TIMEOUT, IdleConnections, MAX_IDLE_PER_BACKEND};
-use crate::h1::{RequestHead, ResponseStream, SendError};
+use crate::h1::{OutgoingHead, ResponseStream, SendError};
 
 /// Opens a connection to `backend` within `timeout`.
 async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, ErrorKind> {
@@ -60,7 +60,7 @@ pub enum Failure {
 /// [`Failure::RequestBody`] when the client's body did.
 pub async fn send(
     backend: &Arc<Backend>,
-    head: RequestHead<'_>,
+    head: OutgoingHead<'_>,
     mut body: UpstreamBody,
     connect_timeout: Duration,
     stall: Option<Duration>,

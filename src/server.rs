@@ -751,7 +751,7 @@ impl h1::server::Handler for Routes {
 
     fn call(
         &self,
-        request: Request<h1::server::RequestBody>,
+        request: Request<h1::server::IncomingBody>,
         fields: Option<FieldLines>,
     ) -> impl Future<Output = Response<ResponseBody>> {
         route(

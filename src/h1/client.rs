@@ -134,7 +134,7 @@ impl<S: Transport> Connection<S> {
     /// Writes after the first must make progress within `stall`, when set.
     pub async fn send<B: OutgoingBody>(
         mut self,
-        head: &RequestHead<'_>,
+        head: &OutgoingHead<'_>,
         mut body: B,
         stall: Option<Duration>,
     ) -> Result<Response<ResponseStream<S>>, SendError<B>> {
@@ -269,20 +269,20 @@ enum WriteError {
 /// What a request head is made of, borrowed from the proxy's copy of the client's request (so
 /// that another attempt can send it again without a copy).
 #[derive(Debug, Clone, Copy)]
-pub struct RequestHead<'a> {
+pub struct OutgoingHead<'a> {
     /// The method.
     pub method: &'a Method,
     /// The request target: a path and query (origin form), or `host:port` for `CONNECT`.
     pub target: &'a str,
     /// The header fields, hop-by-hop ones already removed.
-    pub fields: HeadFields<'a>,
+    pub fields: OutgoingFields<'a>,
     /// A `Host` to add (the fields have none).
     pub host: Option<&'a str>,
 }
 
-/// The fields of a [`RequestHead`].
+/// The fields of an [`OutgoingHead`].
 #[derive(Debug, Clone, Copy)]
-pub enum HeadFields<'a> {
+pub enum OutgoingFields<'a> {
     /// A map, the forwarding fields in it.
     Map(&'a HeaderMap),
     /// A client's lines ([`super::FieldLines`]), written as they are, then the forwarding fields.
@@ -299,7 +299,7 @@ pub enum HeadFields<'a> {
 }
 
 /// Writes the request head into `out`; returns whether the body goes out chunked.
-fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBody) -> bool {
+fn encode_head(out: &mut Vec<u8>, head: &OutgoingHead<'_>, body: &impl OutgoingBody) -> bool {
     out.clear();
     out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
@@ -311,7 +311,7 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBo
     let mut chunked = false;
     let mut sized = false;
     match head.fields {
-        HeadFields::Map(headers) => {
+        OutgoingFields::Map(headers) => {
             for (name, value) in headers {
                 if name == header::TRANSFER_ENCODING {
                     chunked = true;
@@ -321,7 +321,7 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBo
                 append_field(out, name.as_str().as_bytes(), value.as_bytes());
             }
         }
-        HeadFields::Lines {
+        OutgoingFields::Lines {
             lines,
             forwarded_for,
             forwarded_proto,

@@ -12,7 +12,7 @@ use http_body::Frame;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
 use tokio::time::Instant;
 
-use super::{Connection, HeadFields, RequestHead, ResponseStream, SendError, Transport};
+use super::{Connection, OutgoingFields, OutgoingHead, ResponseStream, SendError, Transport};
 use crate::h1::idle::IdleConnections;
 use crate::h1::{BoxError, OutgoingBody};
 
@@ -109,11 +109,11 @@ impl http_body::Body for TestBody {
     }
 }
 
-fn head<'a>(method: &'a Method, target: &'a str, headers: &'a HeaderMap) -> RequestHead<'a> {
-    RequestHead {
+fn head<'a>(method: &'a Method, target: &'a str, headers: &'a HeaderMap) -> OutgoingHead<'a> {
+    OutgoingHead {
         method,
         target,
-        fields: HeadFields::Map(headers),
+        fields: OutgoingFields::Map(headers),
         host: Some("backend"),
     }
 }

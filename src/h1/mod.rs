@@ -21,7 +21,7 @@ pub mod idle;
 pub mod server;
 pub mod stall;
 
-pub use client::{Connection, RequestHead, ResponseStream, SendError};
+pub use client::{Connection, OutgoingHead, ResponseStream, SendError};
 pub use stall::StallTimer;
 
 /// A body error, boxed.

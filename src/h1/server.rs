@@ -202,7 +202,7 @@ pub trait Handler {
     /// The answer to `request`; its map is empty when its `fields` are kept as lines.
     fn call(
         &self,
-        request: Request<RequestBody>,
+        request: Request<IncomingBody>,
         fields: Option<FieldLines>,
     ) -> impl Future<Output = Response<Self::Body>>;
 
@@ -237,9 +237,10 @@ pub trait Answer: Body<Data = Bytes> + Unpin {
 
 impl Answer for http_body_util::Full<Bytes> {}
 
-/// A request body: read whole with the head, or read from the connection as it is polled.
+/// A client's request body as the server hands it to the handler: read whole with the head, or
+/// read from the connection as it is polled.
 #[derive(Debug)]
-pub enum RequestBody {
+pub enum IncomingBody {
     /// The whole body (`None` once handed out, or when there is none).
     Whole(Option<Bytes>),
     /// Read from the connection as it is polled.
@@ -250,7 +251,7 @@ pub enum RequestBody {
     TimedOut,
 }
 
-impl Body for RequestBody {
+impl Body for IncomingBody {
     type Data = Bytes;
     type Error = io::Error;
 
@@ -260,16 +261,16 @@ impl Body for RequestBody {
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
         match this {
-            RequestBody::Whole(bytes) => Poll::Ready(
+            IncomingBody::Whole(bytes) => Poll::Ready(
                 bytes
                     .take()
                     .filter(|bytes| !bytes.is_empty())
                     .map(|bytes| Ok(Frame::data(bytes))),
             ),
-            RequestBody::Streaming(stream) => Pin::new(stream).poll_frame(cx),
-            RequestBody::TimedOut => {
+            IncomingBody::Streaming(stream) => Pin::new(stream).poll_frame(cx),
+            IncomingBody::TimedOut => {
                 // Failed once; nothing after.
-                *this = RequestBody::Whole(None);
+                *this = IncomingBody::Whole(None);
                 Poll::Ready(Some(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "request body timed out",
@@ -280,19 +281,19 @@ impl Body for RequestBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            RequestBody::Whole(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
-            RequestBody::Streaming(stream) => stream.is_end_stream(),
-            RequestBody::TimedOut => false,
+            IncomingBody::Whole(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
+            IncomingBody::Streaming(stream) => stream.is_end_stream(),
+            IncomingBody::TimedOut => false,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            RequestBody::Whole(bytes) => {
+            IncomingBody::Whole(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
             }
-            RequestBody::Streaming(stream) => stream.size_hint(),
-            RequestBody::TimedOut => SizeHint::default(),
+            IncomingBody::Streaming(stream) => stream.size_hint(),
+            IncomingBody::TimedOut => SizeHint::default(),
         }
     }
 }
@@ -591,12 +592,12 @@ async fn receive<H: Handler, W: ClientWrite>(
     // The reading side stays here when the body was read with the head; a streamed body takes
     // it and leaves it in the slot at its end.
     let (body, mut held) = match body {
-        BodyLength::Length(0) => (RequestBody::Whole(None), Some(input)),
+        BodyLength::Length(0) => (IncomingBody::Whole(None), Some(input)),
         BodyLength::Length(length) if length <= READ_WHOLE => {
             match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
-                Ok(bytes) => (RequestBody::Whole(Some(bytes)), Some(input)),
+                Ok(bytes) => (IncomingBody::Whole(Some(bytes)), Some(input)),
                 // The handler answers 408 (and logs it); the connection closes after it.
-                Err(BodyFailure::TimedOut) => (RequestBody::TimedOut, None),
+                Err(BodyFailure::TimedOut) => (IncomingBody::TimedOut, None),
                 Err(BodyFailure::Broken) => return None,
             }
         }
@@ -613,7 +614,7 @@ async fn receive<H: Handler, W: ClientWrite>(
                 stall: StallTimer::new(limits.body_read_timeout),
                 allow_underscore_headers: limits.allow_underscore_headers,
             };
-            (RequestBody::Streaming(stream), None)
+            (IncomingBody::Streaming(stream), None)
         }
     };
     // The handler's future is boxed: it is done once the answer's head is here, and a
@@ -1651,7 +1652,7 @@ mod tests {
 
         fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> impl Future<Output = Response<Self::Body>> {
             std::future::ready(Response::new(http_body_util::Full::new(Bytes::from(
@@ -1712,7 +1713,7 @@ mod tests {
 
         async fn call(
             &self,
-            request: Request<RequestBody>,
+            request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             let path = request.uri().path().to_owned();
@@ -1793,7 +1794,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(FramesBody(self.0.iter().cloned().collect()))
@@ -1808,7 +1809,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             let mut response = Response::new(FramesBody(self.1.iter().cloned().collect()));
@@ -1993,7 +1994,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(ChannelBody(self.0.lock().unwrap().take().unwrap()))
@@ -2139,7 +2140,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(EndlessBody(Arc::clone(&self.0)))

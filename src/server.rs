@@ -20,7 +20,7 @@ use crate::admin::{self, AdminConfig};
 use crate::balancer::Balancer;
 use crate::body::{ClientBody, H2Body};
 use crate::config::Settings;
-use crate::forwarding::ForwardedFor;
+use crate::forwarding::{ForwardedFor, SET_BY_PROXY};
 use crate::h1::{self, FieldLines};
 use crate::health::HttpProbe;
 use crate::metrics::MetricsError;
@@ -636,7 +636,15 @@ impl Acceptor {
             if !h2 {
                 let (reader, writer) = stream.into_split();
                 let routes = Routes { shared, client };
-                h1::server::serve(Box::new(reader), writer, limits, draining, routes).await;
+                h1::server::serve(
+                    Box::new(reader),
+                    writer,
+                    limits,
+                    SET_BY_PROXY,
+                    draining,
+                    routes,
+                )
+                .await;
                 drop(open);
                 drop(slot);
                 return;

@@ -35,7 +35,6 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::buffers;
-use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
     BoxError, COALESCE, Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, OutgoingBody, ReadSize,
     Span, append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection,
@@ -283,16 +282,15 @@ pub struct OutgoingHead<'a> {
 /// The fields of an [`OutgoingHead`].
 #[derive(Debug, Clone, Copy)]
 pub enum OutgoingFields<'a> {
-    /// A map, the forwarding fields in it.
+    /// A map, the fields the caller sets itself in it.
     Map(&'a HeaderMap),
-    /// A client's lines ([`super::FieldLines`]), written as they are, then the forwarding fields.
+    /// A client's lines ([`super::FieldLines`]), written as they are, then the fields the caller
+    /// sets itself (those it had set aside, [`super::fields::Captured`]), in order.
     Lines {
         /// `name: value\r\n` each.
         lines: &'a [u8],
-        /// The `X-Forwarded-For` value.
-        forwarded_for: &'a [u8],
-        /// The `X-Forwarded-Proto` value.
-        forwarded_proto: &'a [u8],
+        /// The fields written after the lines.
+        appended: &'a [(HeaderName, HeaderValue)],
         /// Whether the lines hold a `Content-Length`.
         has_content_length: bool,
     },
@@ -323,13 +321,13 @@ fn encode_head(out: &mut Vec<u8>, head: &OutgoingHead<'_>, body: &impl OutgoingB
         }
         OutgoingFields::Lines {
             lines,
-            forwarded_for,
-            forwarded_proto,
+            appended,
             has_content_length,
         } => {
             out.extend_from_slice(lines);
-            append_field(out, FORWARDED_FOR.as_bytes(), forwarded_for);
-            append_field(out, FORWARDED_PROTO.as_bytes(), forwarded_proto);
+            for (name, value) in appended {
+                append_field(out, name.as_str().as_bytes(), value.as_bytes());
+            }
             sized = has_content_length;
         }
     }

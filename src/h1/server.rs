@@ -6,8 +6,9 @@
 //! is kept alive. Nothing else runs per connection or per request: no dispatcher, no channel.
 //!
 //! - **Request fields** are kept as the lines the client sent ([`super::FieldLines`], hop-by-hop
-//!   and forwarding fields left out) and the request's map left empty, unless the lines cannot
-//!   carry the proxy's rules (see [`super::fields`]): then every field goes into the map.
+//!   fields and those the caller sets itself left out: the [`Captured`] fields `serve` is given,
+//!   their values set aside) and the request's map left empty, unless the lines cannot carry the
+//!   caller's rules (see [`super::fields`]): then every field goes into the map.
 //! - **Request bodies.** A body of known length up to [`READ_WHOLE`] bytes is read with its head
 //!   and handed over whole; a larger or chunked one is a [`RequestStream`] that reads from the
 //!   connection as the handler polls it, and gives the connection back at its end. A request
@@ -47,7 +48,7 @@ use tokio::sync::watch;
 
 use super::buffers;
 use super::client::Passthrough;
-use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
+use super::fields::{Captured, FieldLines, MAX_CAPTURED, Repeated};
 use super::{
     BodyFailure, COALESCE, Chunked, Framing, Hop, MAX_HEADERS, ReadSize, Span, StallTimer,
     append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection, digits,
@@ -368,7 +369,8 @@ impl ClientWrite for tokio::net::tcp::OwnedWriteHalf {
 impl<T: AsyncRead + AsyncWrite> ClientWrite for tokio::io::WriteHalf<T> {}
 
 /// Serves one client connection, read from `reader` and written to `writer`, with `handler`
-/// until it ends (see the module documentation).
+/// until it ends (see the module documentation). The fields the handler sets itself on what it
+/// forwards are `captured`: they are left out of each head's lines, their values set aside.
 ///
 /// Each request is two steps, each its own future inside this one: `receive` (the head, the
 /// body when it is read whole, the handler's answer and its head) and `write_body`. Their states
@@ -378,6 +380,7 @@ pub async fn serve<H: Handler, W: ClientWrite>(
     reader: ReadSide,
     writer: W,
     limits: Limits,
+    captured: Captured,
     draining: watch::Receiver<bool>,
     handler: H,
 ) {
@@ -389,6 +392,7 @@ pub async fn serve<H: Handler, W: ClientWrite>(
         header_timer: HeaderTimer::new(limits.header_read_timeout),
         draining: DrainWatch::new(draining),
         limits,
+        captured,
     };
     let mut inbound = Some(Inbound {
         half: reader,
@@ -528,6 +532,8 @@ struct ConnectionState {
     header_timer: HeaderTimer,
     draining: DrainWatch,
     limits: Limits,
+    /// The fields the handler sets itself.
+    captured: Captured,
 }
 
 /// Reads the next request from `input`, awaits the handler's answer to it and encodes the
@@ -547,9 +553,10 @@ async fn receive<H: Handler, W: ClientWrite>(
         header_timer,
         draining,
         limits,
+        captured,
     } = connection;
     let limits = *limits;
-    let head = match read_head(&mut input, limits, header_timer, draining).await {
+    let head = match read_head(&mut input, limits, *captured, header_timer, draining).await {
         Ok(head) => head,
         Err(Refusal::Quiet) => return None,
         Err(Refusal::Answer(status, message)) => {
@@ -805,13 +812,14 @@ impl DrainWatch {
 async fn read_head(
     input: &mut Inbound,
     limits: Limits,
+    captured: Captured,
     timer: &mut HeaderTimer,
     draining: &mut DrainWatch,
 ) -> Result<Head, Refusal> {
     let mut started = false;
     loop {
         if !input.buffer.is_empty() {
-            if let Some(head) = parse_head(&mut input.buffer, limits)? {
+            if let Some(head) = parse_head(&mut input.buffer, limits, captured)? {
                 return Ok(head);
             }
         }
@@ -909,8 +917,12 @@ pub fn valid_host(value: &[u8]) -> bool {
 }
 
 /// Parses a request head at the start of `buffer` and removes it from there; `None` when it is
-/// not complete yet.
-fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Refusal> {
+/// not complete yet. The `captured` fields are left out of the lines, their values set aside.
+fn parse_head(
+    buffer: &mut BytesMut,
+    limits: Limits,
+    captured: Captured,
+) -> Result<Option<Head>, Refusal> {
     let max_header_bytes = limits.max_header_bytes;
     // Empty lines before a request line are passed over (RFC 9112 §2.2).
     let blank = buffer
@@ -988,8 +1000,10 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
     let mut connection_names_fields = false;
     let mut hosts = 0usize;
     let mut dropped = false;
-    let mut forwarded_for: (usize, Option<Bytes>) = (0, None);
-    let mut forwarded_proto: Option<Bytes> = None;
+    // Where each captured field's value lies, and whether one whose values are one list came
+    // more than once.
+    let mut values = [None; MAX_CAPTURED];
+    let mut list_repeated = false;
     let mut lines = Vec::with_capacity(length);
     for &(name_start, name_end, value_start, value_end) in spans {
         let (name, value) = (field(name_start, name_end), field(value_start, value_end));
@@ -1030,13 +1044,13 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
             // (RFC 9110 §10.1.1).
             expects_continue =
                 version == Version::HTTP_11 && value.eq_ignore_ascii_case(b"100-continue");
-        } else if name.eq_ignore_ascii_case(FORWARDED_FOR.as_bytes()) {
-            forwarded_for.0 += 1;
-            forwarded_for.1 = Some(head.slice(value_start as usize..value_end as usize));
-            continue;
-        } else if name.eq_ignore_ascii_case(FORWARDED_PROTO.as_bytes()) {
-            forwarded_proto
-                .get_or_insert_with(|| head.slice(value_start as usize..value_end as usize));
+        } else if let Some(index) = captured.position(name) {
+            match values[index] {
+                None => values[index] = Some((value_start, value_end)),
+                Some(_) => {
+                    list_repeated |= captured.fields()[index].repeated == Repeated::Mapped;
+                }
+            }
             continue;
         }
         append_field(&mut lines, name, value);
@@ -1056,22 +1070,33 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
             return Err(bad(refusal));
         }
     }
-    // Lines serve unless `Connection` names fields (they must go too), `X-Forwarded-For` came
-    // more than once (its values are joined), or an absolute-form target stands for `Host`.
+    // Lines serve unless `Connection` names fields (they must go too), a captured field whose
+    // values are one list came more than once (they are joined), or an absolute-form target
+    // stands for `Host`.
     let as_lines =
-        !connection_names_fields && forwarded_for.0 <= 1 && (has_host || uri.authority().is_none());
+        !connection_names_fields && !list_repeated && (has_host || uri.authority().is_none());
     let (headers, fields) = if as_lines {
-        let fields = FieldLines::new(
+        // The values set aside keep the head; with none, nothing does.
+        let set_aside = if values.iter().any(Option::is_some) {
+            head.clone()
+        } else {
+            Bytes::new()
+        };
+        let fields = FieldLines::with_captured(
             Bytes::from(lines),
-            forwarded_for.1,
-            forwarded_proto,
+            captured,
+            set_aside,
+            values,
             has_host,
             content_length.is_some(),
         );
         (HeaderMap::new(), Some(fields))
     } else {
         let kept = |name: &[u8]| !dropped || !name.contains(&b'_');
-        (field_map(&head, spans, kept).map_err(bad)?, None)
+        (
+            field_map(&head, spans, captured.fields().len(), kept).map_err(bad)?,
+            None,
+        )
     };
     let body = match (chunked, content_length) {
         (Some(_), Some(_)) => {
@@ -1105,14 +1130,16 @@ fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Ref
     }))
 }
 
-/// Every field of the request head `head` (where `spans` lie) whose name is `kept`, in a map.
+/// Every field of the request head `head` (where `spans` lie) whose name is `kept`, in a map,
+/// with room for `added` more.
 fn field_map(
     head: &Bytes,
     spans: &[Span],
+    added: usize,
     kept: impl Fn(&[u8]) -> bool,
 ) -> Result<HeaderMap, &'static str> {
-    // Room for the two forwarding fields the proxy adds, so the map does not grow for them.
-    let mut headers = HeaderMap::with_capacity(spans.len() + 2);
+    // Room for the captured fields the caller sets again, so the map does not grow for them.
+    let mut headers = HeaderMap::with_capacity(spans.len() + added);
     for &(name_start, name_end, value_start, value_end) in spans {
         if !kept(&head[name_start as usize..name_end as usize]) {
             continue;
@@ -1469,7 +1496,22 @@ impl Body for RequestStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::h1::fields::CapturedField;
     use tokio::io::AsyncReadExt;
+
+    /// Two fields the handler sets itself, named as no client field this layer knows: the first
+    /// a list (sent twice, every field goes into the map), the second replaced (its first value
+    /// set aside).
+    const TEST_CAPTURED: Captured = Captured::new(&[
+        CapturedField {
+            name: "x-chain",
+            repeated: Repeated::Mapped,
+        },
+        CapturedField {
+            name: "x-scheme",
+            repeated: Repeated::FirstKept,
+        },
+    ]);
 
     fn test_limits() -> Limits {
         Limits {
@@ -1514,13 +1556,16 @@ mod tests {
 
     #[test]
     fn heads_say_how_the_body_is_delimited_and_whether_to_keep_alive() {
-        let parse =
-            |text: &str| match parse_head(&mut BytesMut::from(text.as_bytes()), test_limits()) {
-                Ok(Some(head)) => Ok((head.body, head.keep_alive)),
-                Ok(None) => Err("partial".to_owned()),
-                Err(Refusal::Answer(status, message)) => Err(format!("{status} {message}")),
-                Err(Refusal::Quiet) => Err("quiet".to_owned()),
-            };
+        let parse = |text: &str| match parse_head(
+            &mut BytesMut::from(text.as_bytes()),
+            test_limits(),
+            TEST_CAPTURED,
+        ) {
+            Ok(Some(head)) => Ok((head.body, head.keep_alive)),
+            Ok(None) => Err("partial".to_owned()),
+            Err(Refusal::Answer(status, message)) => Err(format!("{status} {message}")),
+            Err(Refusal::Quiet) => Err("quiet".to_owned()),
+        };
         assert_eq!(
             parse("\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n"),
             Ok((BodyLength::Length(0), true))
@@ -1578,16 +1623,19 @@ mod tests {
     #[test]
     fn fields_are_kept_as_lines_unless_they_need_the_map() {
         let parse = |text: &str| {
-            let Ok(Some(head)) = parse_head(&mut BytesMut::from(text.as_bytes()), test_limits())
-            else {
+            let Ok(Some(head)) = parse_head(
+                &mut BytesMut::from(text.as_bytes()),
+                test_limits(),
+                TEST_CAPTURED,
+            ) else {
                 panic!("not a head: {text:?}");
             };
             head
         };
         let head = parse(
             "POST /v1 HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nKeep-Alive: 5\r\n\
-             X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-Proto: https\r\nTE: trailers\r\n\
-             Content-Length: 2\r\nX-Id:  7 \r\n\r\n",
+             X-Chain: 10.0.0.1\r\nX-Scheme: https\r\nTE: trailers\r\n\
+             Content-Length: 2\r\nX-Id:  7 \r\nx-scheme: ftp\r\n\r\n",
         );
         assert!(head.request.headers().is_empty());
         let fields = head.fields.expect("lines");
@@ -1595,17 +1643,17 @@ mod tests {
             fields.lines(),
             b"Host: a\r\nContent-Length: 2\r\nX-Id: 7\r\n"
         );
-        assert_eq!(fields.forwarded_for(), Some(&b"10.0.0.1"[..]));
+        assert_eq!(fields.captured("x-chain"), Some(&b"10.0.0.1"[..]));
         assert!(fields.has_host() && fields.has_content_length());
         assert_eq!(
-            crate::h1::Fields::Lines(&fields).get("x-forwarded-proto"),
+            crate::h1::Fields::Lines(&fields).get("x-scheme"),
             Some(&b"https"[..])
         );
-        // A `Connection` that names a field, `X-Forwarded-For` twice, an absolute-form target
+        // A `Connection` that names a field, a captured list twice, an absolute-form target
         // without `Host`: every field goes into the map.
         for text in [
             "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-private\r\nX-Private: 1\r\n\r\n",
-            "GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nX-Chain: 1.1.1.1\r\nX-Chain: 2.2.2.2\r\n\r\n",
             "GET http://b:81/ HTTP/1.0\r\nX-Id: 1\r\n\r\n",
         ] {
             let head = parse(text);
@@ -1618,7 +1666,8 @@ mod tests {
     #[test]
     fn underscore_names_are_dropped_unless_allowed() {
         let text = "GET / HTTP/1.1\r\nHost: a\r\nX_Api: 1\r\nTransfer_Encoding: chunked\r\nX-Ok: 2\r\n\r\n";
-        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), test_limits()) else {
+        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), test_limits(), TEST_CAPTURED)
+        else {
             panic!("not a head");
         };
         assert_eq!(head.body, BodyLength::Length(0));
@@ -1627,7 +1676,8 @@ mod tests {
             b"Host: a\r\nX-Ok: 2\r\n"
         );
         let mapped = "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-b\r\nX_Api: 1\r\nX-Ok: 2\r\n\r\n";
-        let Ok(Some(head)) = parse_head(&mut BytesMut::from(mapped), test_limits()) else {
+        let Ok(Some(head)) = parse_head(&mut BytesMut::from(mapped), test_limits(), TEST_CAPTURED)
+        else {
             panic!("not a head");
         };
         assert!(!head.request.headers().contains_key("x_api"));
@@ -1636,7 +1686,7 @@ mod tests {
             allow_underscore_headers: true,
             ..test_limits()
         };
-        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), allowed) else {
+        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), allowed, TEST_CAPTURED) else {
             panic!("not a head");
         };
         assert_eq!(
@@ -1692,10 +1742,114 @@ mod tests {
         draining: watch::Receiver<bool>,
         handler: H,
     ) -> (tokio::io::DuplexStream, Pin<Box<dyn Future<Output = ()>>>) {
+        scripted_capturing(limits, TEST_CAPTURED, draining, handler)
+    }
+
+    /// [`scripted`], the handler setting the `captured` fields itself.
+    fn scripted_capturing<H: Handler + 'static>(
+        limits: Limits,
+        captured: Captured,
+        draining: watch::Receiver<bool>,
+        handler: H,
+    ) -> (tokio::io::DuplexStream, Pin<Box<dyn Future<Output = ()>>>) {
         let (client, server) = tokio::io::duplex(64 * 1024);
         let (reader, writer) = tokio::io::split(server);
-        let served = Box::pin(serve(Box::new(reader), writer, limits, draining, handler));
+        let served = Box::pin(serve(
+            Box::new(reader),
+            writer,
+            limits,
+            captured,
+            draining,
+            handler,
+        ));
         (client, served)
+    }
+
+    /// Answers every request with what it got of the fields: the lines, then each field it
+    /// reads through [`crate::h1::Fields`] (`name=value`, one a line), or `map` and the map's.
+    struct FieldsEcho(&'static [&'static str]);
+
+    impl Handler for FieldsEcho {
+        type Body = http_body_util::Full<Bytes>;
+
+        async fn call(
+            &self,
+            request: Request<IncomingBody>,
+            fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            let mut text = Vec::new();
+            let view = match &fields {
+                Some(fields) => {
+                    text.extend_from_slice(fields.lines());
+                    crate::h1::Fields::Lines(fields)
+                }
+                None => {
+                    text.extend_from_slice(b"map\r\n");
+                    crate::h1::Fields::Map(request.headers())
+                }
+            };
+            for name in self.0 {
+                text.extend_from_slice(name.as_bytes());
+                text.push(b'=');
+                text.extend_from_slice(view.get(name).unwrap_or(b"-"));
+                text.extend_from_slice(b"\r\n");
+            }
+            Response::new(http_body_util::Full::new(Bytes::from(text)))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_fields_set_aside_are_those_the_caller_names_on_scripted_bytes() {
+        let request = "GET / HTTP/1.1\r\nHost: a\r\nX-Chain: 10.0.0.1\r\nX-Scheme: https\r\n\
+                       X-Id: 7\r\nX-Trace: t1\r\nx-scheme: ftp\r\nConnection: close\r\n\r\n";
+        let names = &["x-chain", "x-scheme", "x-trace"];
+        let answer_with = |captured: Captured| async move {
+            let (_drain, draining) = watch::channel(false);
+            let (mut client, served) =
+                scripted_capturing(test_limits(), captured, draining, FieldsEcho(names));
+            let script = async {
+                client.write_all(request.as_bytes()).await.unwrap();
+                read_all(&mut client).await
+            };
+            let ((), answer) = tokio::join!(served, script);
+            answer
+                .split("\r\n\r\n")
+                .nth(1)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        // Two fields set aside, read through the view as the client sent them (the first of a
+        // replaced one), never written in the lines.
+        assert_eq!(
+            answer_with(TEST_CAPTURED).await,
+            "Host: a\r\nX-Id: 7\r\nX-Trace: t1\r\n\
+             x-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
+        // Another caller sets aside another field, and none of those.
+        const TRACE: Captured = Captured::new(&[CapturedField {
+            name: "x-trace",
+            repeated: Repeated::FirstKept,
+        }]);
+        assert_eq!(
+            answer_with(TRACE).await,
+            "Host: a\r\nX-Chain: 10.0.0.1\r\nX-Scheme: https\r\nX-Id: 7\r\nx-scheme: ftp\r\n\
+             x-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
+        // A caller that sets none keeps every end-to-end field in the lines.
+        assert_eq!(
+            answer_with(Captured::NONE).await,
+            "Host: a\r\nX-Chain: 10.0.0.1\r\nX-Scheme: https\r\nX-Id: 7\r\nX-Trace: t1\r\n\
+             x-scheme: ftp\r\nx-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
+        // The caller's list sent twice: the map, every value in it.
+        const LIST: Captured = Captured::new(&[CapturedField {
+            name: "x-scheme",
+            repeated: Repeated::Mapped,
+        }]);
+        assert_eq!(
+            answer_with(LIST).await,
+            "map\r\nx-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
     }
 
     /// Everything the server writes until it closes the pipe.
@@ -1943,6 +2097,7 @@ mod tests {
             Box::new(reader),
             writer,
             test_limits(),
+            TEST_CAPTURED,
             draining,
             Frames(events.clone()),
         );

@@ -37,6 +37,7 @@ pub const SET_BY_PROXY: Captured = Captured::new(&[
         repeated: Repeated::FirstKept,
     },
 ]);
+
 /// The `X-Forwarded-Proto` every proxied request carries (the listener speaks cleartext only).
 const FORWARDED_PROTO_VALUE: &str = "http";
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");

@@ -31,7 +31,7 @@
 use std::io::Write;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -164,7 +164,7 @@ impl Pending {
             log: log.clone(),
             arrived: Instant::now(),
             record: Record {
-                time: rfc3339_now(),
+                time: crate::dates::rfc3339(SystemTime::now()),
                 method: method.to_owned(),
                 path: path.to_owned(),
                 status: 0,
@@ -232,21 +232,4 @@ impl Pending {
 
 fn millis(duration: Duration) -> f64 {
     (duration.as_secs_f64() * 1e6).round() / 1e3
-}
-
-/// The current time as `2026-12-01T10:00:00.123Z`.
-fn rfc3339_now() -> String {
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let seconds = since.as_secs();
-    let (year, month, day) = crate::h1::server::civil_date(seconds / 86_400);
-    let of_day = seconds % 86_400;
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        of_day / 3600,
-        of_day / 60 % 60,
-        of_day % 60,
-        since.subsec_millis()
-    )
 }

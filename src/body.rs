@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::h1::drop_underscore_fields;
-use crate::h1::server::RequestBody as H1Body;
+use crate::h1::server::IncomingBody as H1Body;
 use crate::h1::{Connection, ResponseStream, StallTimer};
 
 /// A backend's response body: read from a pooled plain-HTTP connection ([`crate::h1`], on the

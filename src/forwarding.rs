@@ -3,6 +3,10 @@
 //! `X-Forwarded-Proto` set to `http`, the client's `Host` kept (for HTTP/2 clients, the
 //! `:authority`; with none, the backend's). [`RequestHead`] is prepared once per request and
 //! written for each attempt.
+//!
+//! The two forwarding fields are named here only: the HTTP/1 server is handed them
+//! ([`SET_BY_PROXY`]) and sets them aside as it parses a client's head, and a head forwarded as
+//! the client's lines has them written after the lines.
 
 use std::net::SocketAddr;
 
@@ -12,10 +16,28 @@ use http::{Method, Request, Version};
 
 use crate::backend::BackendAddr;
 use crate::body::UpstreamBody;
-use crate::h1::{self, FieldLines};
+use crate::h1::{self, Captured, CapturedField, FieldLines, Repeated};
 
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static(h1::fields::FORWARDED_FOR);
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static(h1::fields::FORWARDED_PROTO);
+const FORWARDED_FOR: &str = "x-forwarded-for";
+const FORWARDED_PROTO: &str = "x-forwarded-proto";
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static(FORWARDED_FOR);
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static(FORWARDED_PROTO);
+
+/// The fields the proxy sets itself, for the HTTP/1 server to set aside: `X-Forwarded-For`,
+/// whose values are one list (sent more than once, the client's fields go into a map, where they
+/// are joined) and whose value is extended, and `X-Forwarded-Proto`, which is replaced. A head
+/// kept as lines gets them back, in this order, after the lines.
+pub const SET_BY_PROXY: Captured = Captured::new(&[
+    CapturedField {
+        name: FORWARDED_FOR,
+        repeated: Repeated::Mapped,
+    },
+    CapturedField {
+        name: FORWARDED_PROTO,
+        repeated: Repeated::FirstKept,
+    },
+]);
+
 /// The `X-Forwarded-Proto` every proxied request carries (the listener speaks cleartext only).
 const FORWARDED_PROTO_VALUE: &str = "http";
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
@@ -137,10 +159,11 @@ pub struct RequestHead {
 pub(crate) enum HeadFields {
     /// In a map, the forwarding fields set.
     Map(HeaderMap),
-    /// An HTTP/1 client's lines as it sent them, and the `X-Forwarded-For` value to add.
+    /// An HTTP/1 client's lines as it sent them, and the forwarding fields to write after them
+    /// (`X-Forwarded-For`, then `X-Forwarded-Proto`, as [`SET_BY_PROXY`] lists them).
     Lines {
         lines: FieldLines,
-        forwarded_for: HeaderValue,
+        forwarding: [(HeaderName, HeaderValue); 2],
     },
 }
 
@@ -159,15 +182,19 @@ impl RequestHead {
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         match fields {
             Some(lines) => {
-                let forwarded_for = client.appended_to(lines.forwarded_for());
+                let forwarded_for = client.appended_to(lines.captured(FORWARDED_FOR));
+                let forwarding = [
+                    (X_FORWARDED_FOR, forwarded_for),
+                    (
+                        X_FORWARDED_PROTO,
+                        HeaderValue::from_static(FORWARDED_PROTO_VALUE),
+                    ),
+                ];
                 Self {
                     method: parts.method,
                     path_and_query,
                     has_host: lines.has_host(),
-                    fields: HeadFields::Lines {
-                        lines,
-                        forwarded_for,
-                    },
+                    fields: HeadFields::Lines { lines, forwarding },
                 }
             }
             None => Self::prepare_map(parts, path_and_query, client),
@@ -228,8 +255,8 @@ impl RequestHead {
 
     /// The head for one attempt to the plain-HTTP backend `addr`: origin form (authority form
     /// for `CONNECT`), with the backend's `Host` if the client sent none.
-    pub(crate) fn h1<'a>(&'a self, addr: &'a BackendAddr) -> h1::RequestHead<'a> {
-        h1::RequestHead {
+    pub(crate) fn h1<'a>(&'a self, addr: &'a BackendAddr) -> h1::OutgoingHead<'a> {
+        h1::OutgoingHead {
             method: &self.method,
             target: if self.method == Method::CONNECT {
                 addr.authority().as_str()
@@ -237,14 +264,10 @@ impl RequestHead {
                 self.path_and_query.as_str()
             },
             fields: match &self.fields {
-                HeadFields::Map(headers) => h1::client::HeadFields::Map(headers),
-                HeadFields::Lines {
-                    lines,
-                    forwarded_for,
-                } => h1::client::HeadFields::Lines {
+                HeadFields::Map(headers) => h1::client::OutgoingFields::Map(headers),
+                HeadFields::Lines { lines, forwarding } => h1::client::OutgoingFields::Lines {
                     lines: lines.lines(),
-                    forwarded_for: forwarded_for.as_bytes(),
-                    forwarded_proto: FORWARDED_PROTO_VALUE.as_bytes(),
+                    appended: forwarding,
                     has_content_length: lines.has_content_length(),
                 },
             },
@@ -268,16 +291,11 @@ impl RequestHead {
         *request.headers_mut() = match &mut self.fields {
             HeadFields::Map(headers) if last => std::mem::take(headers),
             HeadFields::Map(headers) => headers.clone(),
-            HeadFields::Lines {
-                lines,
-                forwarded_for,
-            } => {
+            HeadFields::Lines { lines, forwarding } => {
                 let mut headers = lines.to_map();
-                headers.insert(X_FORWARDED_FOR, forwarded_for.clone());
-                headers.insert(
-                    X_FORWARDED_PROTO,
-                    HeaderValue::from_static(FORWARDED_PROTO_VALUE),
-                );
+                for (name, value) in forwarding.iter() {
+                    headers.insert(name.clone(), value.clone());
+                }
                 headers
             }
         };
@@ -375,6 +393,37 @@ mod tests {
         assert_eq!(peer.appended_to(None).as_bytes(), b"192.0.2.7");
         let sent: [&[u8]; 2] = [b"a", b"b\xff"];
         assert_eq!(peer.appended_to(sent).as_bytes(), b"a, b\xff, 192.0.2.7");
+    }
+
+    #[test]
+    fn the_fields_set_aside_come_back_after_a_clients_lines() {
+        let client = ForwardedFor::new("192.0.2.7:5000".parse().unwrap());
+        // What the HTTP/1 server hands over for `Host: a` and `X-Forwarded-For: 203.0.113.9`.
+        let head = bytes::Bytes::from_static(b"x-forwarded-for: 203.0.113.9");
+        let lines = FieldLines::with_captured(
+            bytes::Bytes::from_static(b"Host: a\r\n"),
+            SET_BY_PROXY,
+            head,
+            [Some((17, 28)), None, None, None],
+            true,
+            false,
+        );
+        let (parts, ()) = Request::new(()).into_parts();
+        let prepared = RequestHead::prepare(parts, Some(lines), &client);
+        let addr: BackendAddr = "10.0.0.1:8000".parse().unwrap();
+        let h1::client::OutgoingFields::Lines {
+            lines, appended, ..
+        } = prepared.h1(&addr).fields
+        else {
+            panic!("lines expected");
+        };
+        assert_eq!(lines, b"Host: a\r\n");
+        // Every field set aside is written again, in the order the server was handed them.
+        let names: Vec<_> = appended.iter().map(|(name, _)| name.as_str()).collect();
+        let set_aside: Vec<_> = SET_BY_PROXY.fields().iter().map(|f| f.name).collect();
+        assert_eq!(names, set_aside);
+        assert_eq!(appended[0].1, "203.0.113.9, 192.0.2.7");
+        assert_eq!(appended[1].1, "http");
     }
 
     #[test]

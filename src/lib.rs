@@ -13,6 +13,7 @@ pub mod body;
 pub mod cidr;
 pub mod classify;
 pub mod config;
+pub mod dates;
 pub mod discovery;
 pub mod engine_metrics;
 pub mod engine_scrape;

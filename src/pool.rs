@@ -5,8 +5,8 @@
 //! connection the backend has not closed (closed ones are dropped on the way), or opens a new
 //! one: TCP connect under the connect timeout and `TCP_NODELAY`. The exchange itself is
 //! [`crate::h1`]'s. The connection goes back on the stack only once the response body has been
-//! read to its end and the exchange left it reusable ([`crate::body::ObservedBody`]); a response
-//! dropped early closes it. At most
+//! read to its end and the exchange left it reusable ([`crate::observed::ObservedBody`]); a
+//! response dropped early closes it. At most
 //! [`MAX_IDLE_PER_BACKEND`] connections wait per backend (the oldest is closed beyond that), and
 //! one idle for [`IDLE_TIMEOUT`] is closed, at the next checkout or by the periodic reap.
 //!
@@ -23,7 +23,7 @@ use crate::backend::{Backend, ErrorKind};
 use crate::body::{BodyFailure, UpstreamBody};
 pub use crate::h1::Connection;
 pub use crate::h1::idle::{IDLE_TIMEOUT, IdleConnections, MAX_IDLE_PER_BACKEND};
-use crate::h1::{RequestHead, ResponseStream, SendError};
+use crate::h1::{OutgoingHead, ResponseStream, SendError};
 
 /// Opens a connection to `backend` within `timeout`.
 async fn connect(backend: &Backend, timeout: Duration) -> Result<Connection, ErrorKind> {
@@ -53,14 +53,14 @@ pub enum Failure {
 /// Sends the request `head` with `body` to `backend` over a pooled connection, or a new one
 /// opened within `connect_timeout`; a backend that takes none of the request for `stall` fails
 /// the exchange. The response body holds the connection; it goes back to the
-/// pool once the body has been read to its end ([`crate::body::ObservedBody`]).
+/// pool once the body has been read to its end ([`crate::observed::ObservedBody`]).
 ///
 /// Fails with [`ErrorKind::Connect`] or [`ErrorKind::ConnectTimeout`] when no connection could
 /// be opened (nothing was sent), [`ErrorKind::Io`] when the exchange failed, and
 /// [`Failure::RequestBody`] when the client's body did.
 pub async fn send(
     backend: &Arc<Backend>,
-    head: RequestHead<'_>,
+    head: OutgoingHead<'_>,
     mut body: UpstreamBody,
     connect_timeout: Duration,
     stall: Option<Duration>,

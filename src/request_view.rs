@@ -37,7 +37,7 @@ mod tests {
         for (name, value) in pairs {
             append_field(&mut bytes, name.as_bytes(), value.as_bytes());
         }
-        let lines = FieldLines::new(bytes.into(), None, None, true, false);
+        let lines = FieldLines::new(bytes.into(), true, false);
         check(&Fields::Map(&map));
         check(&Fields::Lines(&lines));
     }

@@ -21,7 +21,7 @@ use crate::admin::{self, AdminConfig};
 use crate::balancer::Balancer;
 use crate::body::ClientBody;
 use crate::config::Settings;
-use crate::forwarding::ForwardedFor;
+use crate::forwarding::{ForwardedFor, SET_BY_PROXY};
 use crate::h1::{self, FieldLines};
 use crate::health::HttpProbe;
 use crate::metrics::MetricsError;
@@ -367,7 +367,15 @@ impl Acceptor {
             if !h2 {
                 let (reader, writer) = stream.into_split();
                 let routes = Routes { shared, client };
-                h1::server::serve(Box::new(reader), writer, limits, draining, routes).await;
+                h1::server::serve(
+                    Box::new(reader),
+                    writer,
+                    limits,
+                    SET_BY_PROXY,
+                    draining,
+                    routes,
+                )
+                .await;
                 drop(open);
                 drop(slot);
                 return;
@@ -424,7 +432,7 @@ impl h1::server::Handler for Routes {
 
     fn call(
         &self,
-        request: Request<h1::server::RequestBody>,
+        request: Request<h1::server::IncomingBody>,
         fields: Option<FieldLines>,
     ) -> impl Future<Output = Response<ResponseBody>> {
         route(

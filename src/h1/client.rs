@@ -35,7 +35,6 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::buffers;
-use super::fields::{FORWARDED_FOR, FORWARDED_PROTO};
 use super::{
     BoxError, COALESCE, Chunked, Framing, Hop, MAX_HEAD_BYTES, MAX_HEADERS, OutgoingBody, ReadSize,
     Span, append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection,
@@ -134,7 +133,7 @@ impl<S: Transport> Connection<S> {
     /// Writes after the first must make progress within `stall`, when set.
     pub async fn send<B: OutgoingBody>(
         mut self,
-        head: &RequestHead<'_>,
+        head: &OutgoingHead<'_>,
         mut body: B,
         stall: Option<Duration>,
     ) -> Result<Response<ResponseStream<S>>, SendError<B>> {
@@ -269,37 +268,36 @@ enum WriteError {
 /// What a request head is made of, borrowed from the proxy's copy of the client's request (so
 /// that another attempt can send it again without a copy).
 #[derive(Debug, Clone, Copy)]
-pub struct RequestHead<'a> {
+pub struct OutgoingHead<'a> {
     /// The method.
     pub method: &'a Method,
     /// The request target: a path and query (origin form), or `host:port` for `CONNECT`.
     pub target: &'a str,
     /// The header fields, hop-by-hop ones already removed.
-    pub fields: HeadFields<'a>,
+    pub fields: OutgoingFields<'a>,
     /// A `Host` to add (the fields have none).
     pub host: Option<&'a str>,
 }
 
-/// The fields of a [`RequestHead`].
+/// The fields of an [`OutgoingHead`].
 #[derive(Debug, Clone, Copy)]
-pub enum HeadFields<'a> {
-    /// A map, the forwarding fields in it.
+pub enum OutgoingFields<'a> {
+    /// A map, the fields the caller sets itself in it.
     Map(&'a HeaderMap),
-    /// A client's lines ([`super::FieldLines`]), written as they are, then the forwarding fields.
+    /// A client's lines ([`super::FieldLines`]), written as they are, then the fields the caller
+    /// sets itself (those it had set aside, [`super::fields::Captured`]), in order.
     Lines {
         /// `name: value\r\n` each.
         lines: &'a [u8],
-        /// The `X-Forwarded-For` value.
-        forwarded_for: &'a [u8],
-        /// The `X-Forwarded-Proto` value.
-        forwarded_proto: &'a [u8],
+        /// The fields written after the lines.
+        appended: &'a [(HeaderName, HeaderValue)],
         /// Whether the lines hold a `Content-Length`.
         has_content_length: bool,
     },
 }
 
 /// Writes the request head into `out`; returns whether the body goes out chunked.
-fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBody) -> bool {
+fn encode_head(out: &mut Vec<u8>, head: &OutgoingHead<'_>, body: &impl OutgoingBody) -> bool {
     out.clear();
     out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
@@ -311,7 +309,7 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBo
     let mut chunked = false;
     let mut sized = false;
     match head.fields {
-        HeadFields::Map(headers) => {
+        OutgoingFields::Map(headers) => {
             for (name, value) in headers {
                 if name == header::TRANSFER_ENCODING {
                     chunked = true;
@@ -321,15 +319,15 @@ fn encode_head(out: &mut Vec<u8>, head: &RequestHead<'_>, body: &impl OutgoingBo
                 append_field(out, name.as_str().as_bytes(), value.as_bytes());
             }
         }
-        HeadFields::Lines {
+        OutgoingFields::Lines {
             lines,
-            forwarded_for,
-            forwarded_proto,
+            appended,
             has_content_length,
         } => {
             out.extend_from_slice(lines);
-            append_field(out, FORWARDED_FOR.as_bytes(), forwarded_for);
-            append_field(out, FORWARDED_PROTO.as_bytes(), forwarded_proto);
+            for (name, value) in appended {
+                append_field(out, name.as_str().as_bytes(), value.as_bytes());
+            }
             sized = has_content_length;
         }
     }

@@ -7,12 +7,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Method, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body::Frame;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
 use tokio::time::Instant;
 
-use super::{Connection, HeadFields, RequestHead, ResponseStream, SendError, Transport};
+use super::{Connection, OutgoingFields, OutgoingHead, ResponseStream, SendError, Transport};
 use crate::h1::idle::IdleConnections;
 use crate::h1::{BoxError, OutgoingBody};
 
@@ -109,11 +109,11 @@ impl http_body::Body for TestBody {
     }
 }
 
-fn head<'a>(method: &'a Method, target: &'a str, headers: &'a HeaderMap) -> RequestHead<'a> {
-    RequestHead {
+fn head<'a>(method: &'a Method, target: &'a str, headers: &'a HeaderMap) -> OutgoingHead<'a> {
+    OutgoingHead {
         method,
         target,
-        fields: HeadFields::Map(headers),
+        fields: OutgoingFields::Map(headers),
         host: Some("backend"),
     }
 }
@@ -206,6 +206,66 @@ async fn a_request_goes_out_byte_for_byte_and_the_connection_comes_back_after_th
     };
     let (_far, connection) = tokio::join!(backend, client);
     assert!(connection.is_some(), "a 204 has no body to wait for");
+}
+
+#[tokio::test]
+async fn a_clients_lines_go_out_as_they_are_then_the_fields_the_caller_appends() {
+    // The lines hold a length: no other is added. The fields after them are whatever the
+    // caller names, in its order.
+    for appended in [
+        vec![
+            (
+                HeaderName::from_static("x-chain"),
+                HeaderValue::from_static("10.0.0.1, 10.0.0.2"),
+            ),
+            (
+                HeaderName::from_static("x-scheme"),
+                HeaderValue::from_static("http"),
+            ),
+        ],
+        vec![(
+            HeaderName::from_static("x-trace"),
+            HeaderValue::from_static("t1"),
+        )],
+        vec![],
+    ] {
+        let (connection, mut far) = pipe(4096);
+        let mut expected =
+            b"POST /v1 HTTP/1.1\r\nHost: front\r\nContent-Length: 2\r\nX-Id: 7\r\n".to_vec();
+        for (name, value) in &appended {
+            expected.extend_from_slice(format!("{name}: ").as_bytes());
+            expected.extend_from_slice(value.as_bytes());
+            expected.extend_from_slice(b"\r\n");
+        }
+        expected.extend_from_slice(b"\r\nhi");
+        let backend = async {
+            expect_request(&mut far, &expected).await;
+            far.write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+                .await
+                .unwrap();
+            far
+        };
+        let client = async {
+            let method = Method::POST;
+            let request = OutgoingHead {
+                method: &method,
+                target: "/v1",
+                fields: OutgoingFields::Lines {
+                    lines: b"Host: front\r\nContent-Length: 2\r\nX-Id: 7\r\n",
+                    appended: &appended,
+                    has_content_length: true,
+                },
+                host: None,
+            };
+            let body = TestBody::Whole(Some(Bytes::from_static(b"hi")));
+            let sent = connection.send(&request, body, None);
+            let mut response = sent.await.map_err(|_| "send failed").unwrap();
+            assert_eq!(response.status(), StatusCode::NO_CONTENT);
+            response.body_mut().take_connection()
+        };
+        let (_far, connection) = tokio::join!(backend, client);
+        assert!(connection.is_some());
+    }
 }
 
 #[tokio::test]

@@ -21,7 +21,7 @@ pub mod idle;
 pub mod server;
 pub mod stall;
 
-pub use client::{Connection, RequestHead, ResponseStream, SendError};
+pub use client::{Connection, OutgoingHead, ResponseStream, SendError};
 pub use stall::StallTimer;
 
 /// A body error, boxed.
@@ -87,7 +87,7 @@ pub trait OutgoingBody: http_body::Body<Data = Bytes, Error = BoxError> + Unpin 
     /// The bytes of a whole body, unless it is empty or was sent.
     fn in_memory(&self) -> Option<&Bytes>;
 }
-pub use fields::{FieldLines, Fields};
+pub use fields::{Captured, CapturedField, FieldLines, Fields, Repeated};
 
 /// Largest response head (or trailer block) accepted from a backend, in bytes.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;

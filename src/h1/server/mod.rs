@@ -6,8 +6,9 @@
 //! is kept alive. Nothing else runs per connection or per request: no dispatcher, no channel.
 //!
 //! - **Request fields** are kept as the lines the client sent ([`super::FieldLines`], hop-by-hop
-//!   and forwarding fields left out) and the request's map left empty, unless the lines cannot
-//!   carry the proxy's rules (see [`super::fields`]): then every field goes into the map.
+//!   fields and those the caller sets itself left out: the [`Captured`] fields `serve` is given,
+//!   their values set aside) and the request's map left empty, unless the lines cannot carry the
+//!   caller's rules (see [`super::fields`]): then every field goes into the map.
 //! - **Request bodies.** A body of known length up to [`READ_WHOLE`] bytes is read with its head
 //!   and handed over whole; a larger or chunked one is a [`RequestStream`] that reads from the
 //!   connection as the handler polls it, and gives the connection back at its end. A request
@@ -28,32 +29,38 @@
 //!   the limit, then closed). A connection waiting for its next request closes at once when the
 //!   router starts draining, and after the header timeout (give or take a tenth of it: one timer
 //!   per connection, set again only when it was set more than a tenth of the timeout ago).
+//!
+//! This file holds the connection: its loop, its timers and the watch for a client that leaves.
+//! Reading a request head is `head.rs`'s, a request body `body.rs`'s, writing an answer
+//! `response.rs`'s.
+
+mod body;
+mod head;
+mod response;
 
 use std::future::Future;
 use std::io;
-use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body::{Body, Frame, SizeHint};
+use bytes::{Bytes, BytesMut};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::Body;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::buffers;
-use super::client::Passthrough;
-use super::fields::{FORWARDED_FOR, FORWARDED_PROTO, FieldLines};
-use super::{
-    BodyFailure, COALESCE, Chunked, Framing, Hop, MAX_HEADERS, ReadSize, Span, StallTimer,
-    append_chunk, append_chunk_size, append_field, append_last_chunk, apply_connection, digits,
-    drop_underscore_fields, field_spans, hop_by_hop, is_chunked, parse_content_length, poll_body,
-    write_all_vectored,
-};
+use crate::h1::client::Passthrough;
+use crate::h1::fields::{Captured, FieldLines};
+use crate::h1::{BodyFailure, Chunked, Framing, ReadSize};
+
+use body::read_whole;
+pub use body::{IncomingBody, RequestStream};
+use head::{BodyLength, Head, Refusal, parse_head};
+pub use head::{host_refusal, target_form_refusal, valid_host};
+use response::{Outgoing, Written, encode_response_head, refusal, write_body};
 
 /// Request bodies of known length up to this many bytes are read with their head.
 pub const READ_WHOLE: u64 = 64 * 1024;
@@ -108,11 +115,6 @@ impl Limits {
         Ok(())
     }
 }
-
-/// A streamed body's frames that are ready at once are gathered into one write, up to this
-/// many bytes (events that piled up while the connection waited for the CPU go out together, as
-/// nginx's and HAProxy's buffers send them).
-const MAX_BATCH: usize = 16 * 1024;
 
 /// The reading side of a client connection and what was read from it.
 struct Inbound {
@@ -182,31 +184,6 @@ impl Slot {
     }
 }
 
-/// A parsed request head, and what it says about the body and the connection.
-struct Head {
-    /// The request; its map is empty when its fields are kept as lines.
-    request: Request<()>,
-    /// The request's fields as lines, when they serve.
-    fields: Option<FieldLines>,
-    body: BodyLength,
-    keep_alive: bool,
-    expects_continue: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BodyLength {
-    Length(u64),
-    Chunked,
-}
-
-/// Why a connection ends without an answer to a request.
-enum Refusal {
-    /// Closed by the client, timed out, or drained while idle: nothing to say.
-    Quiet,
-    /// A malformed or oversized head: answered with this status and closed.
-    Answer(StatusCode, &'static str),
-}
-
 /// What answers the requests of a connection.
 ///
 /// The answer's future may borrow the handler, which lives as long as the connection: it is
@@ -218,7 +195,7 @@ pub trait Handler {
     /// The answer to `request`; its map is empty when its `fields` are kept as lines.
     fn call(
         &self,
-        request: Request<RequestBody>,
+        request: Request<IncomingBody>,
         fields: Option<FieldLines>,
     ) -> impl Future<Output = Response<Self::Body>>;
 
@@ -253,117 +230,10 @@ pub trait Answer: Body<Data = Bytes> + Unpin {
 
 impl Answer for http_body_util::Full<Bytes> {}
 
-/// A request body: read whole with the head, or read from the connection as it is polled.
-#[derive(Debug)]
-pub enum RequestBody {
-    /// The whole body (`None` once handed out, or when there is none).
-    Whole(Option<Bytes>),
-    /// Read from the connection as it is polled.
-    Streaming(RequestStream),
-    /// A body read with the head that the client left unsent for `body_read_timeout`: its
-    /// first poll fails with [`io::ErrorKind::TimedOut`], so that the handler answers (and logs)
-    /// it as it answers a streamed body that stalls.
-    TimedOut,
-}
-
-impl Body for RequestBody {
-    type Data = Bytes;
-    type Error = io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        let this = self.get_mut();
-        match this {
-            RequestBody::Whole(bytes) => Poll::Ready(
-                bytes
-                    .take()
-                    .filter(|bytes| !bytes.is_empty())
-                    .map(|bytes| Ok(Frame::data(bytes))),
-            ),
-            RequestBody::Streaming(stream) => Pin::new(stream).poll_frame(cx),
-            RequestBody::TimedOut => {
-                // Failed once; nothing after.
-                *this = RequestBody::Whole(None);
-                Poll::Ready(Some(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "request body timed out",
-                ))))
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            RequestBody::Whole(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
-            RequestBody::Streaming(stream) => stream.is_end_stream(),
-            RequestBody::TimedOut => false,
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            RequestBody::Whole(bytes) => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
-            }
-            RequestBody::Streaming(stream) => stream.size_hint(),
-            RequestBody::TimedOut => SizeHint::default(),
-        }
-    }
-}
-
-/// A refusal the server writes itself: `{"error": message}` with `status`, then the connection
-/// closes.
-fn refusal(out: &mut Vec<u8>, status: StatusCode, message: &str) {
-    let mut body = Vec::with_capacity(message.len() + 12);
-    body.extend_from_slice(b"{\"error\":");
-    json_string(&mut body, message);
-    body.push(b'}');
-    buffers::ensure_write(out);
-    out.clear();
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
-    out.extend_from_slice(digits::<10>(body.len() as u64).as_bytes());
-    out.extend_from_slice(b"\r\nconnection: close\r\ndate: ");
-    append_date(out);
-    out.extend_from_slice(b"\r\n\r\n");
-    out.extend_from_slice(&body);
-}
-
-/// Appends `text` as a JSON string.
-fn json_string(out: &mut Vec<u8>, text: &str) {
-    out.push(b'"');
-    for ch in text.chars() {
-        match ch {
-            '"' => out.extend_from_slice(b"\\\""),
-            '\\' => out.extend_from_slice(b"\\\\"),
-            ch if (ch as u32) < 0x20 => {
-                out.extend_from_slice(format!("\\u{:04x}", ch as u32).as_bytes());
-            }
-            ch => {
-                let mut buffer = [0u8; 4];
-                out.extend_from_slice(ch.encode_utf8(&mut buffer).as_bytes());
-            }
-        }
-    }
-    out.push(b'"');
-}
-
 /// The reading side of a client connection, whatever carries it (a TCP stream's read half, an
 /// in-memory pipe in tests).
 pub type ReadSide = Box<dyn AsyncRead + Send + Unpin>;
 
-/// Serves one client connection, read from `reader` and written to `writer`, with `handler`
-/// until it ends (see the module documentation).
-///
-/// Each request is two steps, each its own future inside this one: [`receive`] (the head, the
-/// body when it is read whole, the handler's answer and its head) and [`write_body`]. Their states
-/// share one place in the connection's task, so a connection whose answer streams holds the
-/// response writer's state and the connection's own (buffers, timers), not the request's.
 /// A client connection's writing side, which may also tell whether the client closed its side
 /// without anything being read: while a streamed request body holds the reading side unread
 /// (the request waits in the router queue), that is how its leaving is seen.
@@ -389,10 +259,19 @@ impl ClientWrite for tokio::net::tcp::OwnedWriteHalf {
 
 impl<T: AsyncRead + AsyncWrite> ClientWrite for tokio::io::WriteHalf<T> {}
 
+/// Serves one client connection, read from `reader` and written to `writer`, with `handler`
+/// until it ends (see the module documentation). The fields the handler sets itself on what it
+/// forwards are `captured`: they are left out of each head's lines, their values set aside.
+///
+/// Each request is two steps, each its own future inside this one: `receive` (the head, the
+/// body when it is read whole, the handler's answer and its head) and `write_body`. Their states
+/// share one place in the connection's task, so a connection whose answer streams holds the
+/// response writer's state and the connection's own (buffers, timers), not the request's.
 pub async fn serve<H: Handler, W: ClientWrite>(
     reader: ReadSide,
     writer: W,
     limits: Limits,
+    captured: Captured,
     draining: watch::Receiver<bool>,
     handler: H,
 ) {
@@ -404,6 +283,7 @@ pub async fn serve<H: Handler, W: ClientWrite>(
         header_timer: HeaderTimer::new(limits.header_read_timeout),
         draining: DrainWatch::new(draining),
         limits,
+        captured,
     };
     let mut inbound = Some(Inbound {
         half: reader,
@@ -543,6 +423,8 @@ struct ConnectionState {
     header_timer: HeaderTimer,
     draining: DrainWatch,
     limits: Limits,
+    /// The fields the handler sets itself.
+    captured: Captured,
 }
 
 /// Reads the next request from `input`, awaits the handler's answer to it and encodes the
@@ -562,9 +444,10 @@ async fn receive<H: Handler, W: ClientWrite>(
         header_timer,
         draining,
         limits,
+        captured,
     } = connection;
     let limits = *limits;
-    let head = match read_head(&mut input, limits, header_timer, draining).await {
+    let head = match read_head(&mut input, limits, *captured, header_timer, draining).await {
         Ok(head) => head,
         Err(Refusal::Quiet) => return None,
         Err(Refusal::Answer(status, message)) => {
@@ -607,12 +490,12 @@ async fn receive<H: Handler, W: ClientWrite>(
     // The reading side stays here when the body was read with the head; a streamed body takes
     // it and leaves it in the slot at its end.
     let (body, mut held) = match body {
-        BodyLength::Length(0) => (RequestBody::Whole(None), Some(input)),
+        BodyLength::Length(0) => (IncomingBody::Whole(None), Some(input)),
         BodyLength::Length(length) if length <= READ_WHOLE => {
             match read_whole(&mut input, length as usize, limits.body_read_timeout).await {
-                Ok(bytes) => (RequestBody::Whole(Some(bytes)), Some(input)),
+                Ok(bytes) => (IncomingBody::Whole(Some(bytes)), Some(input)),
                 // The handler answers 408 (and logs it); the connection closes after it.
-                Err(BodyFailure::TimedOut) => (RequestBody::TimedOut, None),
+                Err(BodyFailure::TimedOut) => (IncomingBody::TimedOut, None),
                 Err(BodyFailure::Broken) => return None,
             }
         }
@@ -622,14 +505,8 @@ async fn receive<H: Handler, W: ClientWrite>(
                 BodyLength::Length(length) => Framing::Length(length),
                 BodyLength::Chunked => Framing::Chunked(Chunked::Size),
             };
-            let stream = RequestStream {
-                inbound: Some(input),
-                framing,
-                slot,
-                stall: StallTimer::new(limits.body_read_timeout),
-                allow_underscore_headers: limits.allow_underscore_headers,
-            };
-            (RequestBody::Streaming(stream), None)
+            let stream = RequestStream::new(input, framing, slot, limits);
+            (IncomingBody::Streaming(stream), None)
         }
     };
     // The handler's future is boxed: it is done once the answer's head is here, and a
@@ -738,25 +615,6 @@ async fn client_gone(input: &mut Inbound) -> bool {
     !matches!(input.fill().await, Ok(read) if read > 0)
 }
 
-/// Reads a body of `length` bytes that follows the head, each read within `timeout`.
-async fn read_whole(
-    input: &mut Inbound,
-    length: usize,
-    timeout: Duration,
-) -> Result<Bytes, BodyFailure> {
-    while input.buffer.len() < length {
-        if input.buffer.capacity() < length {
-            input.buffer.reserve(length - input.buffer.len());
-        }
-        match tokio::time::timeout(timeout, input.fill()).await {
-            Err(_) => return Err(BodyFailure::TimedOut),
-            Ok(Ok(0) | Err(_)) => return Err(BodyFailure::Broken),
-            Ok(Ok(_)) => {}
-        }
-    }
-    Ok(input.buffer.split_to(length).freeze())
-}
-
 /// The header timeout of one connection: one timer for the connection's life, set again only
 /// when it was set more than a tenth of the timeout ago, so that waiting for the next request
 /// does not register a timer each time. A client thus gets between nine tenths of the timeout
@@ -820,13 +678,14 @@ impl DrainWatch {
 async fn read_head(
     input: &mut Inbound,
     limits: Limits,
+    captured: Captured,
     timer: &mut HeaderTimer,
     draining: &mut DrainWatch,
 ) -> Result<Head, Refusal> {
     let mut started = false;
     loop {
         if !input.buffer.is_empty() {
-            if let Some(head) = parse_head(&mut input.buffer, limits)? {
+            if let Some(head) = parse_head(&mut input.buffer, limits, captured)? {
                 return Ok(head);
             }
         }
@@ -854,709 +713,30 @@ async fn read_head(
     }
 }
 
-/// Why a request target's form does not fit its method, if it does not: authority form is for
-/// CONNECT only, asterisk form for OPTIONS only (RFC 9112 §3.2.3, §3.2.4); another method with
-/// either has no path to forward.
-pub fn target_form_refusal(method: &Method, uri: &Uri) -> Option<&'static str> {
-    let authority_form = uri.scheme().is_none() && uri.authority().is_some();
-    if authority_form && method != Method::CONNECT {
-        return Some("authority-form target without CONNECT");
-    }
-    let asterisk_form = uri
-        .path_and_query()
-        .is_some_and(|target| target.as_str() == "*");
-    if asterisk_form && method != Method::OPTIONS {
-        return Some("asterisk-form target without OPTIONS");
-    }
-    None
-}
-
-/// Why a request's host is refused (400), given its target's authority (HTTP/1 absolute form,
-/// HTTP/2 `:authority`) and its `Host` field: an authority with user information (RFC 9110
-/// §4.2.4) or either not a valid host ([`valid_host`]), or a `Host` that names another host than
-/// the authority (RFC 9112 §3.2.2 has a proxy take the target's, RFC 9113 §8.3.1 calls the
-/// request malformed; refused as HAProxy refuses it, so that no party reads another host).
-pub fn host_refusal(authority: Option<&[u8]>, host: Option<&[u8]>) -> Option<&'static str> {
-    if authority.is_some_and(|authority| authority.contains(&b'@') || !valid_host(authority))
-        || host.is_some_and(|host| !valid_host(host))
-    {
-        return Some("invalid Host");
-    }
-    match (authority, host) {
-        (Some(authority), Some(host)) if !authority.eq_ignore_ascii_case(host) => {
-            Some("Host differs from the target's authority")
-        }
-        _ => None,
-    }
-}
-
-/// Whether a `Host` value names a host as nginx accepts it (`ngx_http_validate_host`): no
-/// space, control byte or `/`, no `..`, and a name that is not empty once a port and one
-/// trailing dot are set aside. The value reaches the backend as it is, and a backend may build
-/// paths, links or cache keys from it.
-pub fn valid_host(value: &[u8]) -> bool {
-    let mut name_end = value.len();
-    let mut literal = false;
-    let mut in_port = false;
-    let mut previous = 0u8;
-    for (at, &byte) in value.iter().enumerate() {
-        match byte {
-            b'.' if previous == b'.' => return false,
-            b':' if !literal && !in_port => {
-                name_end = at;
-                in_port = true;
-            }
-            b'[' if at == 0 => literal = true,
-            b']' if literal => {
-                name_end = at + 1;
-                literal = false;
-                in_port = true;
-            }
-            b'/' => return false,
-            byte if byte <= 0x20 || byte == 0x7f => return false,
-            _ => {}
-        }
-        previous = byte;
-    }
-    let name = &value[..name_end];
-    let name = name.strip_suffix(b".").unwrap_or(name);
-    !name.is_empty()
-}
-
-/// Parses a request head at the start of `buffer` and removes it from there; `None` when it is
-/// not complete yet.
-fn parse_head(buffer: &mut BytesMut, limits: Limits) -> Result<Option<Head>, Refusal> {
-    let max_header_bytes = limits.max_header_bytes;
-    // Empty lines before a request line are passed over (RFC 9112 §2.2).
-    let blank = buffer
-        .iter()
-        .take_while(|&&b| b == b'\r' || b == b'\n')
-        .count();
-    if blank > 0 {
-        buffer.advance(blank);
-        if buffer.is_empty() {
-            return Ok(None);
-        }
-    }
-    let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
-    let mut spans: [Span; MAX_HEADERS] = [(0, 0, 0, 0); MAX_HEADERS];
-    let mut parsed = httparse::Request::new(&mut []);
-    let status = match parsed.parse_with_uninit_headers(buffer, &mut fields) {
-        Ok(status) => status,
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(Refusal::Answer(
-                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                "too many header fields",
-            ));
-        }
-        Err(_) => {
-            return Err(Refusal::Answer(
-                StatusCode::BAD_REQUEST,
-                "malformed request head",
-            ));
-        }
-    };
-    let httparse::Status::Complete(length) = status else {
-        if buffer.len() >= max_header_bytes {
-            return Err(Refusal::Answer(
-                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                "request head too large",
-            ));
-        }
-        return Ok(None);
-    };
-    if length > max_header_bytes {
-        return Err(Refusal::Answer(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "request head too large",
-        ));
-    }
-    let bad = |message| Refusal::Answer(StatusCode::BAD_REQUEST, message);
-    let method = Method::from_bytes(parsed.method.unwrap_or_default().as_bytes())
-        .map_err(|_| bad("invalid method"))?;
-    let version = if parsed.version == Some(0) {
-        Version::HTTP_10
-    } else {
-        Version::HTTP_11
-    };
-    let path = parsed.path.unwrap_or_default();
-    let path_span = (
-        path.as_ptr() as usize - buffer.as_ptr() as usize,
-        path.len(),
-    );
-    let count = parsed.headers.len();
-    field_spans(buffer, parsed.headers, &mut spans);
-    let head = buffer.split_to(length).freeze();
-    let uri = Uri::from_maybe_shared(head.slice(path_span.0..path_span.0 + path_span.1))
-        .map_err(|_| bad("invalid request target"))?;
-    if let Some(refusal) = target_form_refusal(&method, &uri) {
-        return Err(bad(refusal));
-    }
-    let spans = &spans[..count];
-    let field = |start: u32, end: u32| &head[start as usize..end as usize];
-    // One pass reads the framing and connection fields and writes the others as lines (httparse
-    // checked names and values already).
-    let mut content_length: Option<u64> = None;
-    let mut chunked: Option<bool> = None;
-    let mut keep_alive = version == Version::HTTP_11;
-    let mut expects_continue = false;
-    let mut connection_names_fields = false;
-    let mut hosts = 0usize;
-    let mut dropped = false;
-    let mut forwarded_for: (usize, Option<Bytes>) = (0, None);
-    let mut forwarded_proto: Option<Bytes> = None;
-    let mut lines = Vec::with_capacity(length);
-    for &(name_start, name_end, value_start, value_end) in spans {
-        let (name, value) = (field(name_start, name_end), field(value_start, value_end));
-        if !limits.allow_underscore_headers && name.contains(&b'_') {
-            dropped = true;
-            continue;
-        }
-        match hop_by_hop(name) {
-            Some(Hop::Connection) => {
-                connection_names_fields |=
-                    apply_connection(value, version == Version::HTTP_10, &mut keep_alive);
-                continue;
-            }
-            Some(Hop::TransferEncoding) => {
-                if chunked.is_some() {
-                    return Err(bad("duplicate Transfer-Encoding"));
-                }
-                chunked = Some(is_chunked(value));
-                continue;
-            }
-            Some(Hop::Other) => continue,
-            None => {}
-        }
-        if name.eq_ignore_ascii_case(b"content-length") {
-            if content_length.is_some() {
-                return Err(bad("duplicate Content-Length"));
-            }
-            let length = parse_content_length(value).map_err(|_| bad("invalid Content-Length"))?;
-            content_length = Some(length);
-        } else if name.eq_ignore_ascii_case(b"host") {
-            let authority = uri.authority().map(|a| a.as_str().as_bytes());
-            if let Some(refusal) = host_refusal(authority, Some(value)) {
-                return Err(bad(refusal));
-            }
-            hosts += 1;
-        } else if name.eq_ignore_ascii_case(b"expect") {
-            // An HTTP/1.0 client reads no interim answers: its expectation is ignored
-            // (RFC 9110 §10.1.1).
-            expects_continue =
-                version == Version::HTTP_11 && value.eq_ignore_ascii_case(b"100-continue");
-        } else if name.eq_ignore_ascii_case(FORWARDED_FOR.as_bytes()) {
-            forwarded_for.0 += 1;
-            forwarded_for.1 = Some(head.slice(value_start as usize..value_end as usize));
-            continue;
-        } else if name.eq_ignore_ascii_case(FORWARDED_PROTO.as_bytes()) {
-            forwarded_proto
-                .get_or_insert_with(|| head.slice(value_start as usize..value_end as usize));
-            continue;
-        }
-        append_field(&mut lines, name, value);
-    }
-    // RFC 9112 §3.2: an HTTP/1.1 request has exactly one `Host` (nginx: 400 otherwise).
-    if hosts > 1 {
-        return Err(bad("duplicate Host"));
-    }
-    if hosts == 0 && version == Version::HTTP_11 {
-        return Err(bad("HTTP/1.1 request without Host"));
-    }
-    let has_host = hosts == 1;
-    if !has_host {
-        // An absolute-form target without `Host` (HTTP/1.0): its authority becomes the `Host`.
-        let authority = uri.authority().map(|a| a.as_str().as_bytes());
-        if let Some(refusal) = host_refusal(authority, None) {
-            return Err(bad(refusal));
-        }
-    }
-    // Lines serve unless `Connection` names fields (they must go too), `X-Forwarded-For` came
-    // more than once (its values are joined), or an absolute-form target stands for `Host`.
-    let as_lines =
-        !connection_names_fields && forwarded_for.0 <= 1 && (has_host || uri.authority().is_none());
-    let (headers, fields) = if as_lines {
-        let fields = FieldLines::new(
-            Bytes::from(lines),
-            forwarded_for.1,
-            forwarded_proto,
-            has_host,
-            content_length.is_some(),
-        );
-        (HeaderMap::new(), Some(fields))
-    } else {
-        let kept = |name: &[u8]| !dropped || !name.contains(&b'_');
-        (field_map(&head, spans, kept).map_err(bad)?, None)
-    };
-    let body = match (chunked, content_length) {
-        (Some(_), Some(_)) => {
-            return Err(bad("request has both Transfer-Encoding and Content-Length"));
-        }
-        // HTTP/1.0 has no transfer codings: a sender that uses one cannot be trusted on framing.
-        (Some(_), None) if version == Version::HTTP_10 => {
-            return Err(bad("Transfer-Encoding in an HTTP/1.0 request"));
-        }
-        (Some(true), None) => BodyLength::Chunked,
-        // nginx: 501 for a coding it cannot decode.
-        (Some(false), None) => {
-            return Err(Refusal::Answer(
-                StatusCode::NOT_IMPLEMENTED,
-                "unsupported transfer coding",
-            ));
-        }
-        (None, length) => BodyLength::Length(length.unwrap_or(0)),
-    };
-    let mut request = Request::new(());
-    *request.method_mut() = method;
-    *request.uri_mut() = uri;
-    *request.version_mut() = version;
-    *request.headers_mut() = headers;
-    Ok(Some(Head {
-        request,
-        fields,
-        body,
-        keep_alive,
-        expects_continue,
-    }))
-}
-
-/// Every field of the request head `head` (where `spans` lie) whose name is `kept`, in a map.
-fn field_map(
-    head: &Bytes,
-    spans: &[Span],
-    kept: impl Fn(&[u8]) -> bool,
-) -> Result<HeaderMap, &'static str> {
-    // Room for the two forwarding fields the proxy adds, so the map does not grow for them.
-    let mut headers = HeaderMap::with_capacity(spans.len() + 2);
-    for &(name_start, name_end, value_start, value_end) in spans {
-        if !kept(&head[name_start as usize..name_end as usize]) {
-            continue;
-        }
-        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
-            .map_err(|_| "invalid header name")?;
-        let value =
-            HeaderValue::from_maybe_shared(head.slice(value_start as usize..value_end as usize))
-                .map_err(|_| "invalid header value")?;
-        headers.append(name, value);
-    }
-    Ok(headers)
-}
-
-/// What the request said about how its response is written.
-#[derive(Debug, Clone, Copy)]
-struct Written {
-    /// The request was `HEAD`: no body.
-    head_request: bool,
-    /// The client speaks HTTP/1.0.
-    http10: bool,
-    /// The connection ends after this response.
-    close: bool,
-}
-
-/// How a response body is delimited on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outgoing {
-    None,
-    Length(u64),
-    Chunked,
-    Close,
-}
-
-/// Encodes the head of a response of `parts` and `body` into `out`; how its body is delimited,
-/// and whether the connection ends after it.
-fn encode_response_head<B: Answer>(
-    out: &mut Vec<u8>,
-    parts: &http::response::Parts,
-    body: &B,
-    written: Written,
-) -> (Outgoing, bool) {
-    let Written {
-        head_request,
-        http10,
-        mut close,
-    } = written;
-    let status = parts.status;
-    let bodiless = head_request
-        || status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
-    buffers::ensure_write(out);
-    out.clear();
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
-    let mut declared: Option<u64> = None;
-    let mut dated = false;
-    for (name, value) in &parts.headers {
-        if name == header::CONNECTION {
-            // The router's own answers say `close` when the connection must end; the line
-            // itself is written below.
-            close |= value
-                .as_bytes()
-                .split(|&b| b == b',')
-                .any(|token| token.trim_ascii().eq_ignore_ascii_case(b"close"));
-            continue;
-        }
-        if name == header::TRANSFER_ENCODING {
-            continue;
-        }
-        if name == header::CONTENT_LENGTH {
-            match parse_content_length(value.as_bytes()) {
-                Ok(length) if declared.is_none_or(|seen| seen == length) => declared = Some(length),
-                _ => continue,
-            }
-        } else if name == header::DATE {
-            dated = true;
-        }
-        append_field(out, name.as_str().as_bytes(), value.as_bytes());
-    }
-    if let Some(fields) = body.passthrough() {
-        // A plain-HTTP backend's fields, as it sent them.
-        out.extend_from_slice(&fields.lines);
-        dated |= fields.has_date;
-    }
-    if !dated {
-        out.extend_from_slice(b"date: ");
-        append_date(out);
-        out.extend_from_slice(b"\r\n");
-    }
-    let framing = if bodiless {
-        Outgoing::None
-    } else if let Some(length) = declared {
-        Outgoing::Length(length)
-    } else if let Some(length) = body.size_hint().exact() {
-        append_field(out, b"content-length", digits::<10>(length).as_bytes());
-        Outgoing::Length(length)
-    } else if http10 {
-        close = true;
-        Outgoing::Close
-    } else {
-        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-        Outgoing::Chunked
-    };
-    if close {
-        out.extend_from_slice(b"connection: close\r\n");
-    } else if http10 {
-        // An HTTP/1.0 client keeps the connection only when told so (RFC 9112 §9.3, Appendix C.2.2).
-        out.extend_from_slice(b"connection: keep-alive\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-    (framing, close)
-}
-
-/// Writes the head waiting in `out` ([`encode_response_head`]) and `body` delimited as
-/// `framing` says; `Ok(true)` when the connection may serve another request. `close` says the
-/// connection ends after this response (the head then says `Connection: close`); an HTTP/1.0
-/// client gets a body of unknown length delimited by the end of the connection.
-// Not an `async fn`: an `async fn` moves its arguments into its body's own locals, and the
-// future then holds the body twice; an `async` block uses what it captured in place.
-#[allow(clippy::manual_async_fn)]
-fn write_body<'a, B: Answer + 'a>(
-    writer: &'a mut (impl AsyncWrite + Unpin),
-    out: &'a mut Vec<u8>,
-    mut body: B,
-    framing: Outgoing,
-    close: bool,
-    mut input: Option<&'a mut Inbound>,
-) -> impl Future<Output = io::Result<bool>> + 'a {
-    async move {
-        if framing == Outgoing::None {
-            drop(body);
-            writer.write_all(out).await?;
-            buffers::give_write(out);
-            return Ok(!close);
-        }
-        let mut sent: u64 = 0;
-        loop {
-            let frame = if body.is_end_stream() {
-                None
-            } else {
-                // A frame that is ready at once goes out with what is waiting in `out`.
-                match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)))
-                    .await
-                {
-                    Poll::Ready(frame) => frame,
-                    Poll::Pending => {
-                        // Everything that was ready goes out in one write before the wait.
-                        if !out.is_empty() {
-                            writer.write_all(out).await?;
-                            out.clear();
-                        }
-                        // A waiting stream holds no write buffer.
-                        buffers::give_write(out);
-                        let next = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
-                        match input.as_deref_mut() {
-                            // While the body waits on its backend, a client that leaves ends it.
-                            Some(watched) => tokio::select! {
-                                biased;
-                                frame = next => frame,
-                                gone = client_gone(watched) => {
-                                    if gone {
-                                        return Err(io::ErrorKind::ConnectionAborted.into());
-                                    }
-                                    // A pipelined request came: it waits in the buffer.
-                                    if !still_watched(input.as_deref()) {
-                                        input = None;
-                                    }
-                                    continue;
-                                }
-                            },
-                            None => next.await,
-                        }
-                    }
-                }
-            };
-            // Given back if the body waited; whatever comes next is written from it.
-            buffers::ensure_write(out);
-            let frame = match frame {
-                None => {
-                    if framing == Outgoing::Chunked {
-                        append_last_chunk(out, None);
-                    }
-                    break;
-                }
-                // The body failed midway: the client can only learn it from the connection's end.
-                Some(Err(_)) => {
-                    let _ = writer.write_all(out).await;
-                    return Ok(false);
-                }
-                Some(Ok(frame)) => frame,
-            };
-            match frame.into_data() {
-                Ok(data) => {
-                    if data.is_empty() {
-                        continue;
-                    }
-                    sent += data.len() as u64;
-                    if let Outgoing::Length(length) = framing {
-                        if sent > length {
-                            // A body longer than the length its head announced: what fits goes
-                            // out and the connection ends, so that no byte past the length can
-                            // be read by the client as another answer.
-                            let over = usize::try_from(sent - length).unwrap_or(usize::MAX);
-                            out.extend_from_slice(&data[..data.len().saturating_sub(over)]);
-                            writer.write_all(out).await?;
-                            out.clear();
-                            buffers::give_write(out);
-                            return Ok(false);
-                        }
-                    }
-                    if data.len() > COALESCE {
-                        // Written from where it is, behind what waits in `out` (the head, a chunk
-                        // size line), with the chunk's end, and the last chunk when it is the last.
-                        let chunked = framing == Outgoing::Chunked;
-                        let end = body.is_end_stream();
-                        if chunked {
-                            append_chunk_size(out, data.len());
-                        }
-                        let tail: &[u8] = match (chunked, end) {
-                            (true, true) => b"\r\n0\r\n\r\n",
-                            (true, false) => b"\r\n",
-                            (false, _) => b"",
-                        };
-                        let mut parts = [
-                            io::IoSlice::new(out),
-                            io::IoSlice::new(&data),
-                            io::IoSlice::new(tail),
-                        ];
-                        write_all_vectored(writer, &mut parts).await?;
-                        out.clear();
-                        if end {
-                            // The last chunk went out with it: nothing is left in `out`.
-                            break;
-                        }
-                        continue;
-                    }
-                    if framing == Outgoing::Chunked {
-                        append_chunk(out, &data);
-                    } else {
-                        out.extend_from_slice(&data);
-                    }
-                }
-                Err(frame) => {
-                    if let (Ok(trailers), Outgoing::Chunked) = (frame.into_trailers(), framing) {
-                        append_last_chunk(out, Some(&trailers));
-                        break;
-                    }
-                    continue;
-                }
-            }
-            if out.len() >= MAX_BATCH {
-                // A long run of frames ready at once goes out in batches of this size.
-                writer.write_all(out).await?;
-                out.clear();
-            }
-        }
-        writer.write_all(out).await?;
-        // An idle connection holds no write buffer.
-        buffers::give_write(out);
-        drop(body);
-        let complete = match framing {
-            Outgoing::Length(length) => sent == length,
-            _ => true,
-        };
-        Ok(!close && complete && framing != Outgoing::Close)
-    }
-}
-
-/// Appends the current time as an HTTP date (IMF-fixdate), formatted once per second.
-fn append_date(out: &mut Vec<u8>) {
-    thread_local! {
-        static CACHED: std::cell::Cell<(u64, [u8; 29])> = const { std::cell::Cell::new((u64::MAX, [0; 29])) };
-    }
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs());
-    let text = CACHED.with(|cached| {
-        let (second, text) = cached.get();
-        if second == now {
-            return text;
-        }
-        let text = http_date(now);
-        cached.set((now, text));
-        text
-    });
-    out.extend_from_slice(&text);
-}
-
-/// Year, month (1–12) and day of the month of the day `days` after 1970-01-01 (Howard
-/// Hinnant's algorithm).
-pub fn civil_date(days: u64) -> (i64, i64, i64) {
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let shifted_month = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
-    let month = if shifted_month < 10 {
-        shifted_month + 3
-    } else {
-        shifted_month - 9
-    };
-    (year_of_era + era * 400 + i64::from(month <= 2), month, day)
-}
-
-/// `Sun, 06 Nov 1994 08:49:37 GMT` for `seconds` since the Unix epoch.
-fn http_date(seconds: u64) -> [u8; 29] {
-    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
-    const MONTHS: [&[u8; 3]; 12] = [
-        b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov",
-        b"Dec",
-    ];
-    let days = seconds / 86_400;
-    let second_of_day = seconds % 86_400;
-    let (year, month, day) = civil_date(days);
-    let mut text = [0u8; 29];
-    let two = |value: u64| [b'0' + (value / 10) as u8, b'0' + (value % 10) as u8];
-    text[..3].copy_from_slice(DAYS[(days % 7) as usize]);
-    text[3..5].copy_from_slice(b", ");
-    text[5..7].copy_from_slice(&two(day as u64));
-    text[7] = b' ';
-    text[8..11].copy_from_slice(MONTHS[(month - 1) as usize]);
-    text[11] = b' ';
-    let year = year.clamp(0, 9999) as u64;
-    text[12..14].copy_from_slice(&two(year / 100));
-    text[14..16].copy_from_slice(&two(year % 100));
-    text[16] = b' ';
-    text[17..19].copy_from_slice(&two(second_of_day / 3600));
-    text[19] = b':';
-    text[20..22].copy_from_slice(&two(second_of_day / 60 % 60));
-    text[22] = b':';
-    text[23..25].copy_from_slice(&two(second_of_day % 60));
-    text[25..29].copy_from_slice(b" GMT");
-    text
-}
-
-/// A request body read from the client's connection as it is polled. At its end it leaves the
-/// connection's reading side for the next request; dropped before its end, the connection
-/// closes after the response. It fails with [`io::ErrorKind::TimedOut`] when the client sends
-/// nothing for `timeout` (the timer is made on the first wait and moved only when it fires).
-#[derive(Debug)]
-pub struct RequestStream {
-    inbound: Option<Inbound>,
-    framing: Framing,
-    slot: Arc<Slot>,
-    stall: StallTimer,
-    /// Whether trailer fields whose names contain `_` are kept, as those of the head are.
-    allow_underscore_headers: bool,
-}
-
-impl RequestStream {
-    /// Leaves the reading side for the next request (the body was read to its end).
-    fn finish(&mut self) {
-        if let Some(input) = self.inbound.take() {
-            self.slot.put(input);
-        }
-    }
-
-    fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        self.framing = Framing::Failed;
-        self.inbound = None;
-        Poll::Ready(Some(Err(error)))
-    }
-}
-
-impl Body for RequestStream {
-    type Data = Bytes;
-    type Error = io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        let this = self.get_mut();
-        let Some(input) = this.inbound.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let Inbound {
-            half,
-            buffer,
-            read_size,
-        } = input;
-        let polled = poll_body(&mut this.framing, half, buffer, read_size, cx);
-        let Poll::Ready(polled) = polled else {
-            if this.stall.stalled(cx) {
-                let error = io::Error::new(io::ErrorKind::TimedOut, "request body timed out");
-                return this.fail(error);
-            }
-            return Poll::Pending;
-        };
-        match polled {
-            Ok(mut frame) => {
-                this.stall.progressed();
-                if this.framing.is_end() {
-                    this.finish();
-                }
-                if !this.allow_underscore_headers {
-                    if let Some(trailers) = frame.as_mut().and_then(Frame::trailers_mut) {
-                        drop_underscore_fields(trailers);
-                    }
-                }
-                Poll::Ready(frame.map(Ok))
-            }
-            Err(error) => this.fail(error),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.framing.is_end()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.framing.size_hint()
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use http_body::Frame;
     use tokio::io::AsyncReadExt;
 
-    fn test_limits() -> Limits {
+    use super::*;
+    use crate::h1::fields::{CapturedField, Repeated};
+    use crate::h1::{COALESCE, buffers};
+
+    /// Two fields the handler sets itself, named as no client field this layer knows: the first
+    /// a list (sent twice, every field goes into the map), the second replaced (its first value
+    /// set aside).
+    pub(super) const TEST_CAPTURED: Captured = Captured::new(&[
+        CapturedField {
+            name: "x-chain",
+            repeated: Repeated::Mapped,
+        },
+        CapturedField {
+            name: "x-scheme",
+            repeated: Repeated::FirstKept,
+        },
+    ]);
+
+    pub(super) fn test_limits() -> Limits {
         Limits {
             header_read_timeout: Duration::from_secs(10),
             max_header_bytes: 8192,
@@ -1566,178 +746,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_host_is_accepted_as_nginx_accepts_it() {
-        for host in [
-            &b"example.test"[..],
-            b"example.test:8080",
-            b"example.test.",
-            b"10.0.0.1:80",
-            b"[::1]",
-            b"[::1]:3000",
-            b"xn--caf-dma.test",
-            b"under_score.test",
-        ] {
-            assert!(valid_host(host), "{}", String::from_utf8_lossy(host));
-        }
-        for host in [
-            &b""[..],
-            b":80",
-            b".",
-            b"a b",
-            b"a\tb",
-            b"a/b",
-            b"a/../b",
-            b"a..b",
-            b"..",
-            b"x\x7f",
-            b"x\x01y",
-        ] {
-            assert!(!valid_host(host), "{}", String::from_utf8_lossy(host));
-        }
-    }
-
-    #[test]
-    fn dates_are_imf_fixdates() {
-        assert_eq!(&http_date(784_111_777), b"Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(&http_date(0), b"Thu, 01 Jan 1970 00:00:00 GMT");
-        assert_eq!(&http_date(951_782_400), b"Tue, 29 Feb 2000 00:00:00 GMT");
-        assert_eq!(&http_date(1_796_083_199), b"Mon, 30 Nov 2026 23:59:59 GMT");
-    }
-
-    #[test]
-    fn heads_say_how_the_body_is_delimited_and_whether_to_keep_alive() {
-        let parse =
-            |text: &str| match parse_head(&mut BytesMut::from(text.as_bytes()), test_limits()) {
-                Ok(Some(head)) => Ok((head.body, head.keep_alive)),
-                Ok(None) => Err("partial".to_owned()),
-                Err(Refusal::Answer(status, message)) => Err(format!("{status} {message}")),
-                Err(Refusal::Quiet) => Err("quiet".to_owned()),
-            };
-        assert_eq!(
-            parse("\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n"),
-            Ok((BodyLength::Length(0), true))
-        );
-        assert_eq!(
-            parse("POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"),
-            Ok((BodyLength::Length(5), false))
-        );
-        assert_eq!(
-            parse("POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n"),
-            Ok((BodyLength::Chunked, true))
-        );
-        assert_eq!(
-            parse("POST / HTTP/1.1\r\nHost: x\r\ncontent-length: 005\r\n\r\n"),
-            Ok((BodyLength::Length(5), true))
-        );
-        assert_eq!(
-            parse("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"),
-            Ok((BodyLength::Length(0), true))
-        );
-        assert_eq!(
-            parse("GET / HTTP/1.1\r\nhost: x\r\n"),
-            Err("partial".to_owned())
-        );
-        for refused in [
-            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
-            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n",
-            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5, 5\r\n\r\n",
-            "POST / HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\n",
-            "GET / HTTP/1.1\r\nbad header\r\n\r\n",
-            "G\x01T / HTTP/1.1\r\n\r\n",
-            "GET / HTTP/1.1\r\n\r\n",
-            "GET http://b:81/ HTTP/1.1\r\n\r\n",
-            "GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n",
-        ] {
-            assert!(
-                parse(refused).is_err_and(|error| error.starts_with("400")),
-                "{refused:?}"
-            );
-        }
-        for coding in ["gzip", "gzip, chunked", "chunked, identity", "xchunked"] {
-            let text = format!("POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: {coding}\r\n\r\n");
-            assert!(
-                parse(&text).is_err_and(|error| error.starts_with("501")),
-                "{coding}"
-            );
-        }
-        let long = format!("GET / HTTP/1.1\r\nx-long: {}\r\n\r\n", "a".repeat(9000));
-        assert!(parse(&long).is_err_and(|error| error.starts_with("431")));
-    }
-
-    #[test]
-    fn fields_are_kept_as_lines_unless_they_need_the_map() {
-        let parse = |text: &str| {
-            let Ok(Some(head)) = parse_head(&mut BytesMut::from(text.as_bytes()), test_limits())
-            else {
-                panic!("not a head: {text:?}");
-            };
-            head
-        };
-        let head = parse(
-            "POST /v1 HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nKeep-Alive: 5\r\n\
-             X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-Proto: https\r\nTE: trailers\r\n\
-             Content-Length: 2\r\nX-Id:  7 \r\n\r\n",
-        );
-        assert!(head.request.headers().is_empty());
-        let fields = head.fields.expect("lines");
-        assert_eq!(
-            fields.lines(),
-            b"Host: a\r\nContent-Length: 2\r\nX-Id: 7\r\n"
-        );
-        assert_eq!(fields.forwarded_for(), Some(&b"10.0.0.1"[..]));
-        assert!(fields.has_host() && fields.has_content_length());
-        assert_eq!(
-            crate::h1::Fields::Lines(&fields).get("x-forwarded-proto"),
-            Some(&b"https"[..])
-        );
-        // A `Connection` that names a field, `X-Forwarded-For` twice, an absolute-form target
-        // without `Host`: every field goes into the map.
-        for text in [
-            "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-private\r\nX-Private: 1\r\n\r\n",
-            "GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\n\r\n",
-            "GET http://b:81/ HTTP/1.0\r\nX-Id: 1\r\n\r\n",
-        ] {
-            let head = parse(text);
-            assert!(head.fields.is_none(), "{text:?}");
-            let fields = text.matches("\r\n").count() - 2;
-            assert_eq!(head.request.headers().len(), fields, "{text:?}");
-        }
-    }
-
-    #[test]
-    fn underscore_names_are_dropped_unless_allowed() {
-        let text = "GET / HTTP/1.1\r\nHost: a\r\nX_Api: 1\r\nTransfer_Encoding: chunked\r\nX-Ok: 2\r\n\r\n";
-        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), test_limits()) else {
-            panic!("not a head");
-        };
-        assert_eq!(head.body, BodyLength::Length(0));
-        assert_eq!(
-            head.fields.expect("lines").lines(),
-            b"Host: a\r\nX-Ok: 2\r\n"
-        );
-        let mapped = "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-b\r\nX_Api: 1\r\nX-Ok: 2\r\n\r\n";
-        let Ok(Some(head)) = parse_head(&mut BytesMut::from(mapped), test_limits()) else {
-            panic!("not a head");
-        };
-        assert!(!head.request.headers().contains_key("x_api"));
-        assert!(head.request.headers().contains_key("x-ok"));
-        let allowed = Limits {
-            allow_underscore_headers: true,
-            ..test_limits()
-        };
-        let Ok(Some(head)) = parse_head(&mut BytesMut::from(text), allowed) else {
-            panic!("not a head");
-        };
-        assert_eq!(
-            head.fields.expect("lines").lines(),
-            b"Host: a\r\nX_Api: 1\r\nTransfer_Encoding: chunked\r\nX-Ok: 2\r\n"
-        );
-    }
-
     struct Answer;
 
     impl Handler for Answer {
@@ -1745,7 +753,7 @@ mod tests {
 
         fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> impl Future<Output = Response<Self::Body>> {
             std::future::ready(Response::new(http_body_util::Full::new(Bytes::from(
@@ -1785,10 +793,114 @@ mod tests {
         draining: watch::Receiver<bool>,
         handler: H,
     ) -> (tokio::io::DuplexStream, Pin<Box<dyn Future<Output = ()>>>) {
+        scripted_capturing(limits, TEST_CAPTURED, draining, handler)
+    }
+
+    /// [`scripted`], the handler setting the `captured` fields itself.
+    fn scripted_capturing<H: Handler + 'static>(
+        limits: Limits,
+        captured: Captured,
+        draining: watch::Receiver<bool>,
+        handler: H,
+    ) -> (tokio::io::DuplexStream, Pin<Box<dyn Future<Output = ()>>>) {
         let (client, server) = tokio::io::duplex(64 * 1024);
         let (reader, writer) = tokio::io::split(server);
-        let served = Box::pin(serve(Box::new(reader), writer, limits, draining, handler));
+        let served = Box::pin(serve(
+            Box::new(reader),
+            writer,
+            limits,
+            captured,
+            draining,
+            handler,
+        ));
         (client, served)
+    }
+
+    /// Answers every request with what it got of the fields: the lines, then each field it
+    /// reads through [`crate::h1::Fields`] (`name=value`, one a line), or `map` and the map's.
+    struct FieldsEcho(&'static [&'static str]);
+
+    impl Handler for FieldsEcho {
+        type Body = http_body_util::Full<Bytes>;
+
+        async fn call(
+            &self,
+            request: Request<IncomingBody>,
+            fields: Option<FieldLines>,
+        ) -> Response<Self::Body> {
+            let mut text = Vec::new();
+            let view = match &fields {
+                Some(fields) => {
+                    text.extend_from_slice(fields.lines());
+                    crate::h1::Fields::Lines(fields)
+                }
+                None => {
+                    text.extend_from_slice(b"map\r\n");
+                    crate::h1::Fields::Map(request.headers())
+                }
+            };
+            for name in self.0 {
+                text.extend_from_slice(name.as_bytes());
+                text.push(b'=');
+                text.extend_from_slice(view.get(name).unwrap_or(b"-"));
+                text.extend_from_slice(b"\r\n");
+            }
+            Response::new(http_body_util::Full::new(Bytes::from(text)))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_fields_set_aside_are_those_the_caller_names_on_scripted_bytes() {
+        let request = "GET / HTTP/1.1\r\nHost: a\r\nX-Chain: 10.0.0.1\r\nX-Scheme: https\r\n\
+                       X-Id: 7\r\nX-Trace: t1\r\nx-scheme: ftp\r\nConnection: close\r\n\r\n";
+        let names = &["x-chain", "x-scheme", "x-trace"];
+        let answer_with = |captured: Captured| async move {
+            let (_drain, draining) = watch::channel(false);
+            let (mut client, served) =
+                scripted_capturing(test_limits(), captured, draining, FieldsEcho(names));
+            let script = async {
+                client.write_all(request.as_bytes()).await.unwrap();
+                read_all(&mut client).await
+            };
+            let ((), answer) = tokio::join!(served, script);
+            answer
+                .split("\r\n\r\n")
+                .nth(1)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        // Two fields set aside, read through the view as the client sent them (the first of a
+        // replaced one), never written in the lines.
+        assert_eq!(
+            answer_with(TEST_CAPTURED).await,
+            "Host: a\r\nX-Id: 7\r\nX-Trace: t1\r\n\
+             x-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
+        // Another caller sets aside another field, and none of those.
+        const TRACE: Captured = Captured::new(&[CapturedField {
+            name: "x-trace",
+            repeated: Repeated::FirstKept,
+        }]);
+        assert_eq!(
+            answer_with(TRACE).await,
+            "Host: a\r\nX-Chain: 10.0.0.1\r\nX-Scheme: https\r\nX-Id: 7\r\nx-scheme: ftp\r\n\
+             x-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
+        // A caller that sets none keeps every end-to-end field in the lines.
+        assert_eq!(
+            answer_with(Captured::NONE).await,
+            "Host: a\r\nX-Chain: 10.0.0.1\r\nX-Scheme: https\r\nX-Id: 7\r\nX-Trace: t1\r\n\
+             x-scheme: ftp\r\nx-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
+        // The caller's list sent twice: the map, every value in it.
+        const LIST: Captured = Captured::new(&[CapturedField {
+            name: "x-scheme",
+            repeated: Repeated::Mapped,
+        }]);
+        assert_eq!(
+            answer_with(LIST).await,
+            "map\r\nx-chain=10.0.0.1\r\nx-scheme=https\r\nx-trace=t1\r\n"
+        );
     }
 
     /// Everything the server writes until it closes the pipe.
@@ -1806,7 +918,7 @@ mod tests {
 
         async fn call(
             &self,
-            request: Request<RequestBody>,
+            request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             let path = request.uri().path().to_owned();
@@ -1887,7 +999,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(FramesBody(self.0.iter().cloned().collect()))
@@ -1902,7 +1014,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             let mut response = Response::new(FramesBody(self.1.iter().cloned().collect()));
@@ -2036,6 +1148,7 @@ mod tests {
             Box::new(reader),
             writer,
             test_limits(),
+            TEST_CAPTURED,
             draining,
             Frames(events.clone()),
         );
@@ -2087,7 +1200,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(ChannelBody(self.0.lock().unwrap().take().unwrap()))
@@ -2110,7 +1223,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_between_two_events_holds_no_buffer() {
-        super::buffers::clear();
+        buffers::clear();
         let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
         let (_drain, draining) = watch::channel(false);
         let (mut client, served) =
@@ -2128,13 +1241,13 @@ mod tests {
                 // The event is out and the stream waits for the next one and watches its client:
                 // both of the connection's buffers are back with the thread, and the same two
                 // serve every event.
-                assert_eq!(super::buffers::kept(), (1, 1), "after event {i}");
+                assert_eq!(buffers::kept(), (1, 1), "after event {i}");
             }
             drop(events);
             read_until(&mut client, &mut seen, "\r\n0\r\n\r\n").await;
             // The answer is complete and the connection waits for the next request.
             tokio::task::yield_now().await;
-            assert_eq!(super::buffers::kept(), (1, 1));
+            assert_eq!(buffers::kept(), (1, 1));
             drop(client);
             String::from_utf8_lossy(&seen).into_owned()
         };
@@ -2233,7 +1346,7 @@ mod tests {
 
         async fn call(
             &self,
-            _request: Request<RequestBody>,
+            _request: Request<IncomingBody>,
             _fields: Option<FieldLines>,
         ) -> Response<Self::Body> {
             Response::new(EndlessBody(Arc::clone(&self.0)))

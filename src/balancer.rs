@@ -42,6 +42,7 @@ use crate::metrics::{Metrics, MetricsError, Snapshot};
 use crate::prefix_index::PrefixIndex;
 use crate::prompt::Prompt;
 use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, Pick, RequestInfo, Strategy};
+use crate::usage::Usage;
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -724,6 +725,7 @@ impl Balancer {
         latency: Duration,
         first_byte: Option<Duration>,
         streamed: bool,
+        expected_cached: u64,
     ) -> bool {
         // The attempt's class, judged once: the sample, the strategy and availability read it.
         let class = Class::of(finish.status, finish.error, finish.retry_after);
@@ -753,6 +755,8 @@ impl Balancer {
                 first_byte: first_byte.map(|d| d.as_secs_f64()),
                 bytes: finish.bytes,
                 streamed,
+                usage: finish.usage,
+                expected_cached,
             },
         );
         self.metrics.request_duration.record(measured, &[]);
@@ -848,6 +852,9 @@ pub struct Finish {
     pub retry_after: Option<Duration>,
     /// Response body bytes relayed.
     pub bytes: u64,
+    /// The answer's usage, when it reported one and the lease asked for it
+    /// ([`Lease::reads_usage`]).
+    pub usage: Option<Usage>,
 }
 
 /// The prompt tokens `backend` is expected to prefill for `prompt`: those past the longest
@@ -895,6 +902,9 @@ pub struct Lease {
     in_flight: usize,
     /// Whether the pick sent it past the strategy's limit ([`Pick::past_limit`]).
     past_limit: bool,
+    /// The request's prompt tokens (0 without a prompt): its answer's usage is read, and what the
+    /// index expected cached is the prompt less [`InFlightWork::prefill`].
+    prompt_tokens: u64,
 }
 
 impl std::fmt::Debug for Lease {
@@ -912,6 +922,10 @@ impl Lease {
             past_limit,
         } = choice;
         let queued_tokens = backend.prefill_in_flight();
+        let prompt_tokens = info
+            .prompt
+            .as_ref()
+            .map_or(0, |prompt| u64::from(prompt.tokens));
         let work = InFlightWork {
             prefill: info
                 .prompt
@@ -933,7 +947,14 @@ impl Lease {
             queued_tokens,
             in_flight,
             past_limit,
+            prompt_tokens,
         }
+    }
+
+    /// Whether the answer's usage is read for the strategy: the request has a prompt (the
+    /// strategy reads prompts, and this is an LLM request).
+    pub fn reads_usage(&self) -> bool {
+        self.prompt_tokens > 0
     }
 
     /// The backend this request goes to.
@@ -1017,6 +1038,7 @@ impl Lease {
             latency,
             self.first_byte,
             self.streamed,
+            self.prompt_tokens.saturating_sub(self.work.prefill),
         );
         if failed {
             let threshold = self.balancer.tuning.load().latency.threshold;

@@ -37,6 +37,7 @@ pub mod strategies;
 pub mod strategy;
 pub mod traces;
 pub mod upstream;
+pub mod usage;
 
 pub use config::{Config, Settings};
 pub use server::Router;

@@ -22,6 +22,7 @@ use crate::backend::ErrorKind;
 use crate::balancer::{Finish, Lease};
 use crate::body::{BackendBody, BoxError, Pooled};
 use crate::h1::StallTimer;
+use crate::usage::UsageScan;
 
 /// What the router answers with: a proxied body or one it wrote itself.
 pub type ResponseBody = Either<ObservedBody, Full<Bytes>>;
@@ -45,6 +46,8 @@ pub struct ObservedBody {
     idle: Option<StallTimer>,
     /// The request's access log record and trace span, finished when the body ends.
     seen: Observation,
+    /// The answer's usage, looked for in its frames when the lease reads it.
+    usage: Option<UsageScan>,
 }
 
 /// What is kept of a request for the access log and its trace, when either is on (both empty
@@ -141,6 +144,7 @@ impl ObservedBody {
         status: StatusCode,
         retry_after: Option<Duration>,
     ) -> Self {
+        let usage = lease.reads_usage().then(UsageScan::default);
         Self {
             inner,
             lease: Some(lease),
@@ -149,9 +153,11 @@ impl ObservedBody {
                 error: None,
                 retry_after,
                 bytes: 0,
+                usage: None,
             },
             idle: None,
             seen: Observation::default(),
+            usage,
         }
     }
 
@@ -215,6 +221,10 @@ impl Body for ObservedBody {
                         lease.mark_first_byte();
                     }
                     this.outcome.bytes += data.len() as u64;
+                    if let Some(scan) = this.usage.as_mut() {
+                        scan.frame(data);
+                        this.outcome.usage = scan.usage();
+                    }
                 }
                 if end {
                     finish_at_end(&mut this.lease, &mut this.inner, this.outcome);

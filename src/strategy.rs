@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 use crate::prompt::Prompt;
+pub use crate::usage::Usage;
 
 /// What a strategy sees of the request it routes (kept while the request waits in the queue).
 #[derive(Debug, Clone, Default)]
@@ -379,6 +380,13 @@ pub struct Outcome {
     /// Whether the answer was a stream (`text/event-stream`): its first byte then marks the end
     /// of queueing and prefill, not the whole answer.
     pub streamed: bool,
+    /// What the answer said it used (OpenAI's `usage`, with the prompt tokens the engine found
+    /// cached when it says), read for requests whose prompt the strategy reads
+    /// ([`Strategy::reads_prompts`]); `None` when the answer had none.
+    pub usage: Option<Usage>,
+    /// Prompt tokens the router's prefix index expected the backend to hold when the request
+    /// was dispatched ([`Backend::prefixes`]; 0 without a prompt).
+    pub expected_cached: u64,
 }
 
 /// The first byte of an answer, as reported to [`Strategy::on_first_byte`].

@@ -391,6 +391,8 @@ mod tests {
             first_byte: None,
             bytes: 0,
             streamed: false,
+            usage: None,
+            expected_cached: 0,
         }
     }
 

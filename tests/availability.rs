@@ -47,6 +47,7 @@ const REFUSED: Finish = Finish {
     error: Some(ErrorKind::Connect),
     retry_after: None,
     bytes: 0,
+    usage: None,
 };
 
 #[tokio::test(start_paused = true)]
@@ -61,6 +62,7 @@ async fn a_429_with_retry_after_pauses_the_backend_for_that_long() {
             error: None,
             retry_after: Some(Duration::from_secs(2)),
             bytes: 0,
+            usage: None,
         },
     )
     .await;
@@ -90,6 +92,7 @@ async fn a_busy_pause_is_capped() {
             error: None,
             retry_after: Some(Duration::from_secs(3600)),
             bytes: 0,
+            usage: None,
         },
     )
     .await;
@@ -111,6 +114,7 @@ async fn consecutive_failures_eject_for_a_growing_time_and_4xx_never_count() {
         error: None,
         retry_after: None,
         bytes: 0,
+        usage: None,
     };
     for _ in 0..2 {
         fail_on(&balancer, "bad:1", REFUSED).await;

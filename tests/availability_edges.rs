@@ -29,6 +29,7 @@ const REFUSED: Finish = Finish {
     error: Some(ErrorKind::Connect),
     retry_after: None,
     bytes: 0,
+    usage: None,
 };
 
 /// Fails one request on `target` (admitting until it is picked).

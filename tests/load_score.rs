@@ -68,6 +68,7 @@ fn ok(bytes: u64) -> Finish {
         error: None,
         retry_after: None,
         bytes,
+    usage: None,
     }
 }
 
@@ -191,6 +192,7 @@ async fn a_failing_replica_is_ranked_last() {
         error: None,
         retry_after: None,
         bytes: 10,
+        usage: None,
     });
     stream_answer(
         good,

@@ -104,6 +104,8 @@ fn outcome(latency: f64, failed: bool) -> Outcome {
         first_byte: None,
         bytes: 0,
         streamed: false,
+        usage: None,
+        expected_cached: 0,
     }
 }
 

@@ -244,6 +244,7 @@ async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_back
         error: Some(ErrorKind::Connect),
         retry_after: None,
         bytes: 0,
+        usage: None,
     });
     finish_after(live, Duration::from_millis(49)).await;
     assert_eq!(backends[0].ewma_latency(), Some(2.0));
@@ -272,6 +273,7 @@ async fn a_failed_attempt_counts_as_at_least_the_threshold_and_occupies_the_back
         error: None,
         retry_after: None,
         bytes: 0,
+        usage: None,
     });
     assert_eq!(backends[0].ewma_latency(), Some(2.0));
 }
@@ -438,6 +440,7 @@ async fn a_retry_waits_for_an_untried_backend_rather_than_going_back_to_the_fail
         error: Some(ErrorKind::Connect),
         retry_after: None,
         bytes: 0,
+        usage: None,
     });
     settle().await;
     let tried = vec![Arc::clone(a)];

@@ -181,6 +181,7 @@ async fn a_retry_waiting_for_an_untried_backend_does_not_hold_an_idle_one_from_t
         error: Some(ErrorKind::Connect),
         retry_after: None,
         bytes: 0,
+        usage: None,
     });
     settle().await;
     let tried = vec![Arc::clone(&a)];

@@ -159,6 +159,7 @@ pub(super) fn classify(sent: Result<Response<BackendBody>, Failure>, lease: Leas
                 error: Some(kind),
                 retry_after: None,
                 bytes: 0,
+                usage: None,
             });
             Ended::Failed(kind)
         }
@@ -217,6 +218,7 @@ impl Ended {
                     error: None,
                     retry_after: answered.retry_after,
                     bytes: 0,
+                    usage: None,
                 });
                 None
             }

@@ -17,6 +17,7 @@ pub const OK: Finish = Finish {
     error: None,
     retry_after: None,
     bytes: 0,
+    usage: None,
 };
 
 /// Lets spawned admissions and releases run up to their next wait.

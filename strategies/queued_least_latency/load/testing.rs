@@ -83,6 +83,8 @@ pub(super) fn streamed(latency: f64, ttfb: f64) -> Outcome {
         first_byte: Some(ttfb),
         bytes: 4096,
         streamed: true,
+        usage: None,
+        expected_cached: 0,
     }
 }
 

@@ -106,6 +106,7 @@ fn loaded(strategy: &str, params: &[(&str, &str)], tenants: bool) -> Loaded {
             error: None,
             retry_after: None,
             bytes: 4096,
+            usage: None,
         });
     }
     let mut held = Vec::new();

@@ -10,7 +10,6 @@ use http::Response;
 use http::header::{self, HeaderValue};
 use http::response::Parts;
 
-use super::admit::Admitted;
 use super::retry::{Decision, Ending};
 use crate::backend::ErrorKind;
 use crate::balancer::{Balancer, Finish, Lease};
@@ -20,26 +19,23 @@ use crate::forwarding::RequestHead;
 use crate::metrics::RetryReason;
 use crate::observed::Observation;
 use crate::pool::Failure;
+use crate::strategy::RequestInfo;
 use crate::traces::{AttemptSpan, RequestSpan};
 use crate::upstream::UpstreamClient;
 
-/// Attempt `number` leaves on `lease`: noted in the access log and span (the span's
-/// `traceparent` set on the head), its retry (`retry`, if it is one) and dispatch counted.
-/// Returns the attempt's span, when traces are on.
+/// Attempt `number` of the request `info` describes leaves on `lease`: noted in the access log
+/// and span (the span's `traceparent` set on `head`), its retry (`retry`, if it is one) and
+/// dispatch counted. Returns the attempt's span, when traces are on.
 pub(super) fn dispatch(
     balancer: &Balancer,
-    request: &mut Admitted,
+    info: &RequestInfo,
+    head: &mut RequestHead,
     lease: &Lease,
     number: u32,
     seen: &mut Observation,
     retry: Option<RetryReason>,
 ) -> Option<Box<AttemptSpan>> {
-    let uncached_tokens = request
-        .ask
-        .info
-        .prompt
-        .is_some()
-        .then(|| lease.uncached_tokens());
+    let uncached_tokens = info.prompt.is_some().then(|| lease.uncached_tokens());
     if let Some(log) = seen.log.as_mut() {
         log.attempt(
             lease.backend().addr().as_str(),
@@ -48,14 +44,7 @@ pub(super) fn dispatch(
         );
     }
     let span = seen.span.as_ref().map(|server| {
-        let span = attempt_span(
-            server,
-            balancer,
-            &mut request.head,
-            lease,
-            number,
-            uncached_tokens,
-        );
+        let span = attempt_span(server, balancer, head, lease, number, uncached_tokens);
         // Boxed: the span is large, and the proxy's future carries it across the attempt.
         Box::new(span)
     });
@@ -63,7 +52,6 @@ pub(super) fn dispatch(
         balancer.metrics().count_retry(reason);
     }
     balancer.metrics().dispatched.add(1, &[]);
-    let head = &request.head;
     tracing::debug!(method = %head.method, path = head.path_and_query.as_str(), backend = %lease.backend().addr(), attempt = number, "proxying request");
     span
 }

@@ -110,7 +110,8 @@ async fn forward(
         };
         let span = dispatch(
             balancer,
-            &mut request,
+            &request.ask.info,
+            &mut request.head,
             &lease,
             number,
             seen,

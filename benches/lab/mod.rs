@@ -21,6 +21,7 @@ pub mod load;
 pub mod nginx;
 pub mod peer;
 pub mod report;
+pub mod requests;
 pub mod router;
 pub mod scenarios;
 pub mod sim;

@@ -26,7 +26,7 @@ use serde_json::json;
 
 use super::LabError;
 use super::load::{Turn, User};
-use super::workload::{Scale, chat_request, text};
+use super::requests::{Scale, chat_request, text};
 
 /// Tokens per block of the traces' `hash_ids`.
 const TRACE_BLOCK_TOKENS: u64 = 512;

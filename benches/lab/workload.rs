@@ -8,28 +8,21 @@
 //!   [`SESSION_HEADER`].
 //! - [`Documents`]: single requests arriving as a Poisson process, short chats mixed with long
 //!   documents (prompt lengths log-uniform up to tens of thousands of tokens).
+//! - [`Trace`]: a production trace replayed (`trace.rs`).
 //!
 //! Requests are OpenAI chat completions (`POST /v1/chat/completions`, `messages`, `max_tokens`,
-//! `"stream": true`). Text is pseudo-random lowercase words, [`CHARS_PER_TOKEN`] characters a
+//! streamed or not; `requests.rs`). Text is pseudo-random lowercase words, four characters a
 //! token as the simulated replica counts them; an earlier answer is sent back as the text the
 //! replica generated, so its blocks are the ones the replica cached.
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
-use serde_json::{Value, json};
+use serde_json::json;
 
-use super::load::{Lengths, Outgoing, Turn, User};
-use super::sim::prompt::{CHARS_PER_TOKEN, Prompt, answer_text};
+use super::load::{Lengths, Turn, User};
+pub use super::requests::{SESSION_HEADER, Scale, chat_request, text};
+use super::sim::prompt::answer_text;
 use super::trace::Trace;
-
-/// The header naming a request's conversation in session workloads (the `affinity` strategy's
-/// default).
-pub const SESSION_HEADER: &str = "x-session-id";
-
-/// The path of every request.
-pub const CHAT_PATH: &str = "/v1/chat/completions";
 
 /// What the users send.
 #[derive(Debug, Clone)]
@@ -86,24 +79,6 @@ pub struct Documents {
     pub answer_tokens: Lengths,
     /// Whether requests ask for a stream.
     pub stream: bool,
-}
-
-/// How a mode shrinks a workload: fewer users, and time compressed (the replicas run faster by
-/// the same factor, see `scenarios.rs`).
-#[derive(Debug, Clone, Copy)]
-pub struct Scale {
-    /// Multiplies users per tenant (at least one each) and the document arrival rate.
-    pub users: f64,
-    /// Divides every time: start windows, think times, durations; multiplies the rate.
-    pub time_compression: f64,
-}
-
-impl Scale {
-    /// The workload as drawn up.
-    pub const FULL: Scale = Scale {
-        users: 1.0,
-        time_compression: 1.0,
-    };
 }
 
 impl Workload {
@@ -252,47 +227,4 @@ fn range_text((low, high): (u32, u32)) -> String {
     } else {
         format!("{low}–{high}")
     }
-}
-
-/// A chat completion of `messages`, streamed or not.
-pub fn chat_request(
-    messages: &[Value],
-    max_tokens: u32,
-    session: Option<&str>,
-    stream: bool,
-) -> Outgoing {
-    let body = json!({
-        "model": "sim",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": stream,
-    });
-    let prompt_tokens = Prompt::of_body(&body).tokens();
-    let headers = session
-        .and_then(|session| HeaderValue::from_str(session).ok())
-        .map(|value| (HeaderName::from_static(SESSION_HEADER), value))
-        .into_iter()
-        .collect();
-    Outgoing {
-        path: CHAT_PATH.to_owned(),
-        body: Bytes::from(body.to_string()),
-        headers,
-        max_tokens,
-        stream,
-        prompt_tokens,
-    }
-}
-
-/// `tokens` tokens of pseudo-random lowercase words.
-pub fn text(rng: &mut fastrand::Rng, tokens: u32) -> String {
-    let length = tokens as usize * CHARS_PER_TOKEN;
-    let mut text = String::with_capacity(length);
-    while text.len() < length {
-        let word = rng.usize(2..=9).min(length - text.len());
-        text.extend((0..word).map(|_| rng.alphabetic().to_ascii_lowercase()));
-        if text.len() < length {
-            text.push(' ');
-        }
-    }
-    text
 }

@@ -725,7 +725,7 @@ impl Balancer {
         latency: Duration,
         first_byte: Option<Duration>,
         streamed: bool,
-        expected_cached: u64,
+        prompt: (u64, u64),
     ) -> bool {
         // The attempt's class, judged once: the sample, the strategy and availability read it.
         let class = Class::of(finish.status, finish.error, finish.retry_after);
@@ -756,7 +756,8 @@ impl Balancer {
                 bytes: finish.bytes,
                 streamed,
                 usage: finish.usage,
-                expected_cached,
+                prompt_tokens: prompt.0,
+                expected_cached: prompt.1,
             },
         );
         self.metrics.request_duration.record(measured, &[]);
@@ -1038,7 +1039,10 @@ impl Lease {
             latency,
             self.first_byte,
             self.streamed,
-            self.prompt_tokens.saturating_sub(self.work.prefill),
+            (
+                self.prompt_tokens,
+                self.prompt_tokens.saturating_sub(self.work.prefill),
+            ),
         );
         if failed {
             let threshold = self.balancer.tuning.load().latency.threshold;

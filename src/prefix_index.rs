@@ -40,6 +40,7 @@ const NIL: u32 = u32::MAX;
 
 /// The recorded prompt blocks of one backend, least recently used evicted first.
 pub struct PrefixIndex {
+    /// The configured capacity: the most the index ever holds.
     capacity_blocks: usize,
     lru: Mutex<Lru>,
 }
@@ -61,13 +62,38 @@ impl PrefixIndex {
             .min(NIL as usize);
         Self {
             capacity_blocks,
-            lru: Mutex::new(Lru::default()),
+            lru: Mutex::new(Lru {
+                limit: capacity_blocks,
+                ..Lru::default()
+            }),
         }
     }
 
-    /// The capacity in blocks.
+    /// The configured capacity in blocks.
     pub fn capacity_blocks(&self) -> usize {
         self.capacity_blocks
+    }
+
+    /// The blocks it holds at most now: the configured capacity, or less once
+    /// [`PrefixIndex::set_limit_blocks`] sized it like the backend's cache.
+    pub fn limit_blocks(&self) -> usize {
+        self.lock().limit
+    }
+
+    /// Holds at most `blocks` from now on (at least one, at most the configured capacity),
+    /// evicting the least recently used at once when it holds more: a strategy that learned how
+    /// much the backend's own cache keeps sizes the index like it. A larger limit keeps more from
+    /// now on (what was evicted is not recovered).
+    pub fn set_limit_blocks(&self, blocks: usize) {
+        if self.capacity_blocks == 0 {
+            return;
+        }
+        let limit = blocks.clamp(1, self.capacity_blocks);
+        let mut lru = self.lock();
+        lru.limit = limit;
+        while lru.map.len() > limit {
+            lru.evict_tail();
+        }
     }
 
     /// How many leading blocks of `blocks` are recorded and not evicted: the longest prefix of
@@ -103,17 +129,23 @@ impl PrefixIndex {
         if self.capacity_blocks == 0 {
             return;
         }
-        // Touching the blocks past the capacity would only have them evicted by the ones before.
-        let blocks = &blocks[..blocks.len().min(self.capacity_blocks)];
         let mut lru = self.lock();
+        // Touching the blocks past the limit would only have them evicted by the ones before.
+        let blocks = &blocks[..blocks.len().min(lru.limit)];
         for &hash in blocks.iter().rev() {
-            lru.touch(hash, self.capacity_blocks);
+            lru.touch(hash);
         }
     }
 
-    /// Forgets every block (the backend restarted or left) and frees the memory.
+    /// Forgets every block (the backend restarted or left) and frees the memory; the limit
+    /// stays.
     pub fn forget(&self) {
-        *self.lock() = Lru::default();
+        let mut lru = self.lock();
+        let limit = lru.limit;
+        *lru = Lru {
+            limit,
+            ..Lru::default()
+        };
     }
 
     /// Blocks recorded now.
@@ -192,8 +224,12 @@ struct Slot {
 struct Lru {
     map: HashMap<u64, u32, BuildHasherDefault<PassThrough>>,
     slots: Vec<Slot>,
+    /// Slots a lowered limit emptied, used again before the list grows.
+    free: Vec<u32>,
     head: u32,
     tail: u32,
+    /// The blocks held at most.
+    limit: usize,
 }
 
 impl Default for Lru {
@@ -201,16 +237,29 @@ impl Default for Lru {
         Self {
             map: HashMap::default(),
             slots: Vec::new(),
+            free: Vec::new(),
             head: NIL,
             tail: NIL,
+            limit: 0,
         }
     }
 }
 
 impl Lru {
+    /// Removes the least recently used block; its slot becomes free.
+    fn evict_tail(&mut self) {
+        let slot = self.tail;
+        if slot == NIL {
+            return;
+        }
+        self.unlink(slot);
+        self.map.remove(&self.slots[slot as usize].hash);
+        self.free.push(slot);
+    }
+
     /// Makes `hash` the most recently used block, evicting the least recently used one when
-    /// `capacity` blocks are held already.
-    fn touch(&mut self, hash: u64, capacity: usize) {
+    /// the limit is reached.
+    fn touch(&mut self, hash: u64) {
         if let Some(&slot) = self.map.get(&hash) {
             if slot != self.head {
                 self.unlink(slot);
@@ -218,18 +267,23 @@ impl Lru {
             }
             return;
         }
-        let slot = if self.slots.len() < capacity {
-            if self.slots.len() == self.slots.capacity() {
-                // Grow by doubling, but never past the capacity.
-                let more = self.slots.len().max(16).min(capacity - self.slots.len());
-                self.slots.reserve_exact(more);
+        let slot = if self.map.len() < self.limit {
+            if let Some(slot) = self.free.pop() {
+                self.slots[slot as usize].hash = hash;
+                slot
+            } else {
+                if self.slots.len() == self.slots.capacity() {
+                    // Grow by doubling, but never past the limit.
+                    let more = self.slots.len().max(16).min(self.limit - self.slots.len());
+                    self.slots.reserve_exact(more);
+                }
+                self.slots.push(Slot {
+                    hash,
+                    prev: NIL,
+                    next: NIL,
+                });
+                (self.slots.len() - 1) as u32
             }
-            self.slots.push(Slot {
-                hash,
-                prev: NIL,
-                next: NIL,
-            });
-            (self.slots.len() - 1) as u32
         } else {
             let slot = self.tail;
             self.unlink(slot);
@@ -238,10 +292,14 @@ impl Lru {
             if self.map.len() == self.map.capacity() {
                 // Removals leave tombstones only a rehash clears, and at this load the map's
                 // own rehash would double it: it is rebuilt in place instead, at its size.
+                // The blocks are those on the list (a lowered limit leaves free slots behind).
                 self.map.clear();
-                let entries = self.slots.iter().enumerate();
-                self.map
-                    .extend(entries.map(|(at, slot)| (slot.hash, at as u32)));
+                let mut at = self.head;
+                while at != NIL {
+                    let slot = self.slots[at as usize];
+                    self.map.insert(slot.hash, at);
+                    at = slot.next;
+                }
             }
             slot
         };
@@ -393,6 +451,43 @@ mod tests {
         index.record(&chain(15, 6));
         assert_eq!(index.matched_blocks(&alice), 8);
         assert_eq!(index.matched_blocks(&bob), 11);
+    }
+
+    #[test]
+    fn a_lowered_limit_evicts_the_least_recently_used_and_a_raised_one_keeps_more() {
+        let index = PrefixIndex::new(100 * TPB);
+        let (old, new) = (chain(11, 40), chain(12, 40));
+        index.record(&old);
+        index.record(&new);
+        assert_eq!(index.len_blocks(), 80);
+        index.set_limit_blocks(50);
+        assert_eq!((index.limit_blocks(), index.len_blocks()), (50, 50));
+        // The older prompt's tail went first; the newer prompt is whole.
+        assert_eq!(index.matched_blocks(&new), 40);
+        assert_eq!(index.matched_blocks(&old), 10);
+        // Recording past the limit evicts, and the freed slots are used again.
+        let third = chain(13, 30);
+        index.record(&third);
+        assert_eq!(index.len_blocks(), 50);
+        assert_eq!(index.matched_blocks(&third), 30);
+        assert_eq!(index.matched_blocks(&new), 20);
+        // Many more prompts through the lowered index: it never holds more than its limit and
+        // still matches what it holds.
+        for seed in 100..160 {
+            index.record(&chain(seed, 17));
+            assert!(index.len_blocks() <= 50);
+        }
+        assert_eq!(index.matched_blocks(&chain(159, 17)), 17);
+        // A raised limit is bounded by the configured capacity, and keeps more from now on.
+        index.set_limit_blocks(1_000);
+        assert_eq!(index.limit_blocks(), 100);
+        for seed in 200..205 {
+            index.record(&chain(seed, 20));
+        }
+        assert_eq!(index.len_blocks(), 100);
+        assert_eq!(index.matched_blocks(&chain(200, 20)), 20);
+        index.forget();
+        assert_eq!((index.len_blocks(), index.limit_blocks()), (0, 100));
     }
 
     #[test]

@@ -384,8 +384,10 @@ pub struct Outcome {
     /// cached when it says), read for requests whose prompt the strategy reads
     /// ([`Strategy::reads_prompts`]); `None` when the answer had none.
     pub usage: Option<Usage>,
-    /// Prompt tokens the router's prefix index expected the backend to hold when the request
-    /// was dispatched ([`Backend::prefixes`]; 0 without a prompt).
+    /// The request's prompt tokens as the router estimates them (0 without a prompt).
+    pub prompt_tokens: u64,
+    /// Of those, the tokens the router's prefix index expected the backend to hold when the
+    /// request was dispatched ([`Backend::prefixes`]).
     pub expected_cached: u64,
 }
 

@@ -130,7 +130,10 @@ mod tests {
             })
         );
         scan.frame(b"data: [DONE]\n\n");
-        assert!(scan.usage().is_some(), "a later frame without usage keeps it");
+        assert!(
+            scan.usage().is_some(),
+            "a later frame without usage keeps it"
+        );
     }
 
     #[test]

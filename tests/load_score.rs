@@ -68,7 +68,7 @@ fn ok(bytes: u64) -> Finish {
         error: None,
         retry_after: None,
         bytes,
-    usage: None,
+        usage: None,
     }
 }
 

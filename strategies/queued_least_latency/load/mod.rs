@@ -11,6 +11,8 @@
 //! This file holds what is kept (per backend and for the fleet) and how it is updated; the
 //! rooms around it:
 //!
+//! - `cache.rs`: the backend's prefix cache as learned: its prefix index sized like what the
+//!   engine says it keeps;
 //! - `cost.rs`: what a backend's answers cost, relative to the fleet's;
 //! - `ttfb.rs`: the time to first byte expected without congestion (the fixed delay and the
 //!   prefill rate, read off first bytes);
@@ -35,6 +37,7 @@ use super::{Params, RampUp};
 use crate::backend::Backend;
 use crate::strategies::{Outcome, next_generation};
 
+mod cache;
 mod cost;
 mod engine;
 mod limit;
@@ -302,6 +305,7 @@ impl LoadScore {
             self.record_cost(learned, fleet, outcome);
             self.learn_outcome(learned, outcome);
         });
+        cache::learn_cache(backend, outcome);
     }
 }
 

@@ -13,12 +13,14 @@
 //!
 //! ```json
 //! {"time":"2026-12-01T10:00:00.123Z","method":"POST","path":"/v1/chat/completions","status":200,
-//!  "backend":"10.0.0.2:8000","attempts":1,"queue_ms":0.0,"ttfb_ms":412.7,"duration_ms":9120.3,
+//!  "backend":"10.0.0.2:8000","attempts":1,"retries":[],"queue_ms":0.0,"ttfb_ms":412.7,"duration_ms":9120.3,
 //!  "bytes_in":1234,"bytes_out":20480,"band":"normal","prompt_tokens":2048,"uncached_tokens":512,
 //!  "reason":null,"trace_id":null}
 //! ```
 //!
-//! `time` is when the request arrived; `queue_ms` from arrival to the last attempt's dispatch;
+//! `time` is when the request arrived; `retries` why each attempt after the first was sent
+//! (`connect`, `busy`, `idempotent`, `generation`: the reasons of
+//! `custom_router_retries_total`); `queue_ms` from arrival to the last attempt's dispatch;
 //! `ttfb_ms` from arrival to the response body's first byte; `duration_ms` from arrival to the
 //! response's end; `band` its priority band; `prompt_tokens` the prompt's tokens as the router
 //! counted them and `uncached_tokens` those past the longest prefix the router's index holds for
@@ -62,6 +64,9 @@ pub struct Record {
     pub backend: Option<String>,
     /// Attempts sent to backends.
     pub attempts: u32,
+    /// Why each attempt after the first was sent (empty without retries; nothing is allocated
+    /// then).
+    pub retries: Vec<&'static str>,
     /// Milliseconds from arrival to the last attempt's dispatch.
     pub queue_ms: Option<f64>,
     /// Milliseconds from arrival to the response body's first byte.
@@ -170,6 +175,7 @@ impl Pending {
                 status: 0,
                 backend: None,
                 attempts: 0,
+                retries: Vec::new(),
                 queue_ms: None,
                 ttfb_ms: None,
                 duration_ms: 0.0,
@@ -198,9 +204,19 @@ impl Pending {
     }
 
     /// An attempt to `backend` was dispatched at `dispatched_at`, expected to prefill
-    /// `uncached_tokens` of the prompt (when one was read).
-    pub fn attempt(&mut self, backend: &str, dispatched_at: Instant, uncached_tokens: Option<u64>) {
+    /// `uncached_tokens` of the prompt (when one was read); `retry` says why, when it is a
+    /// retry.
+    pub fn attempt(
+        &mut self,
+        backend: &str,
+        dispatched_at: Instant,
+        uncached_tokens: Option<u64>,
+        retry: Option<&'static str>,
+    ) {
         self.record.attempts += 1;
+        if let Some(reason) = retry {
+            self.record.retries.push(reason);
+        }
         self.record.backend = Some(backend.to_owned());
         self.record.uncached_tokens = uncached_tokens;
         self.record.queue_ms = Some(millis(

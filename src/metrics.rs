@@ -78,14 +78,17 @@ pub enum RetryReason {
     Busy,
     /// Another failure of an idempotent request.
     Idempotent,
+    /// A generation request's reset or 5xx head ([`crate::proxy::RetryConfig::generation_paths`]).
+    Generation,
 }
 
 impl RetryReason {
     /// Every reason.
-    pub const ALL: [RetryReason; 3] = [
+    pub const ALL: [RetryReason; 4] = [
         RetryReason::Connect,
         RetryReason::Busy,
         RetryReason::Idempotent,
+        RetryReason::Generation,
     ];
 
     /// The metric label value.
@@ -94,6 +97,7 @@ impl RetryReason {
             RetryReason::Connect => "connect",
             RetryReason::Busy => "busy",
             RetryReason::Idempotent => "idempotent",
+            RetryReason::Generation => "generation",
         }
     }
 }

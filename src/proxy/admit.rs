@@ -31,6 +31,8 @@ pub(super) struct Admitted {
     pub head: RequestHead,
     /// The body, kept for replay or streamed once.
     pub body: RequestBody,
+    /// Whether it is a generation request ([`super::RetryConfig::is_generation`]).
+    generation: bool,
     /// When it arrived, read only when decision headers are on.
     arrived: Option<Instant>,
 }
@@ -64,8 +66,14 @@ impl Admitted {
             .map(|arrived| lease.dispatched_at().saturating_duration_since(arrived))
     }
 
-    /// What the retry decision reads of attempt `number`, which ended as `ending`.
-    pub fn attempted(&self, ending: Ending, number: u32) -> Attempted<'_> {
+    /// What the retry decision reads of attempt `number`, which ended as `ending` (with the
+    /// answer's `status`, when the backend answered).
+    pub fn attempted(
+        &self,
+        ending: Ending,
+        status: Option<http::StatusCode>,
+        number: u32,
+    ) -> Attempted<'_> {
         Attempted {
             ending,
             method: &self.head.method,
@@ -73,6 +81,8 @@ impl Admitted {
             number,
             // The decision is taken at the response head, before any of it is passed on.
             answer_started: false,
+            generation: self.generation,
+            status,
         }
     }
 }
@@ -91,6 +101,7 @@ pub(super) async fn admit(
         return Err(Answer::connect_not_allowed());
     }
     let (parts, body) = request.into_parts();
+    let generation = policy.retry.is_generation(&parts.method, parts.uri.path());
     let body = read_body(body, policy, seen).await?;
     let (info, admission) = admission_of(balancer, &parts, fields.as_ref(), &body);
     note_admission(seen, &info, admission);
@@ -104,6 +115,7 @@ pub(super) async fn admit(
         },
         head,
         body,
+        generation,
         // Read the clock only for what needs it.
         arrived: policy.decision_headers.then(Instant::now),
     })

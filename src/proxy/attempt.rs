@@ -41,6 +41,7 @@ pub(super) fn dispatch(
             lease.backend().addr().as_str(),
             lease.dispatched_at(),
             uncached_tokens,
+            retry.map(RetryReason::as_str),
         );
     }
     let span = seen.span.as_ref().map(|server| {
@@ -187,6 +188,14 @@ fn answered(response: Response<BackendBody>, lease: Lease) -> Answered {
 }
 
 impl Ended {
+    /// The answer's status, when the backend answered.
+    pub fn status(&self) -> Option<http::StatusCode> {
+        match self {
+            Ended::Answered(answered) => Some(answered.parts.status),
+            Ended::Failed(_) | Ended::RequestBody(_) => None,
+        }
+    }
+
     /// How the attempt ended, as the retry decision sees it.
     pub fn ending(&self) -> Ending {
         match self {
@@ -196,8 +205,9 @@ impl Ended {
         }
     }
 
-    /// Sets the attempt aside for a retry: a busy answer's lease records it (nothing of it
-    /// reached the client). Returns the failure, if the attempt failed.
+    /// Sets the attempt aside for a retry: an answer's lease records it (a busy answer, or a
+    /// generation's 5xx head: nothing of it reached the client; its body is not read, and its
+    /// connection is closed). Returns the failure, if the attempt failed.
     pub fn set_aside(self) -> Option<ErrorKind> {
         match self {
             Ended::Answered(answered) => {
@@ -218,7 +228,13 @@ impl Ended {
     /// Ends the attempt's span: answered when the answer goes to the client, failed otherwise.
     pub fn trace(&self, span: AttemptSpan, decision: Decision) {
         match self {
-            Ended::Answered(_) if matches!(decision, Decision::Retry(_)) => span.failed("busy"),
+            Ended::Answered(_) if matches!(decision, Decision::Retry(_)) => span.failed(
+                if matches!(self.ending(), Ending::Backend(Class::Busy(_))) {
+                    "busy"
+                } else {
+                    "retried"
+                },
+            ),
             Ended::Answered(answered) => span.answered(answered.parts.status.as_u16()),
             Ended::Failed(kind) => span.failed(kind.as_str()),
             Ended::RequestBody(failure) => span.failed(failure.as_str()),

@@ -73,7 +73,8 @@ pub struct ProxyPolicy {
 ///
 /// A connect failure (the backend saw nothing) or a busy answer (429, or 503 with
 /// `Retry-After`) is retried on another backend for any method; any other failure only for
-/// idempotent methods. Only bodies kept in memory (at most `body_limit`) are sent again, never
+/// idempotent methods, and a generation request (a `POST` on `retry.generation_paths`) after a
+/// reset or a 5xx head of `retry.generation_statuses`. Only bodies kept in memory (at most `body_limit`) are sent again, never
 /// more than `retry.max_attempts` in all, and failure retries draw on the shared retry budget
 /// (the rules: [`retry`]).
 pub async fn proxy(
@@ -125,7 +126,7 @@ async fn forward(
         };
         let sent = send(&policy.client, &lease, &mut request.head, body, last).await;
         let ended = classify(sent, lease);
-        let attempted = request.attempted(ended.ending(), number);
+        let attempted = request.attempted(ended.ending(), ended.status(), number);
         let decision = retry.decide(&attempted, || budget.try_withdraw());
         if let Some(span) = span {
             ended.trace(*span, decision);

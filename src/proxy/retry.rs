@@ -18,9 +18,13 @@
 //! 6. a busy answer (429, or 503 with `Retry-After`) is retried for any method, off budget;
 //! 7. a connect failure (the backend saw nothing) is retried for any method; another failure
 //!    before the response head only for an idempotent method;
-//! 8. a failure retry needs a retry left in the budget.
+//! 8. a generation request (a `POST` on one of `retry.generation_paths`: an LLM generation, which
+//!    has no side effect) is also retried after a reset before the response head, or a 5xx head
+//!    of `retry.generation_statuses`: nothing of it reached the client, and another replica can
+//!    generate the answer;
+//! 9. a failure retry needs a retry left in the budget.
 
-use http::Method;
+use http::{Method, StatusCode};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::ErrorKind;
@@ -41,7 +45,23 @@ pub struct RetryConfig {
     /// The retry budget (`[retry.budget]`), shared by all requests: see
     /// [`crate::retry_budget::RetryBudget`].
     pub budget: BudgetConfig,
+    /// Paths whose `POST` requests are generations (no side effect): also retried after a reset
+    /// before the response head or a 5xx head of [`Self::generation_statuses`].
+    #[serde(with = "crate::forms::list")]
+    pub generation_paths: Vec<String>,
+    /// The 5xx statuses a generation request is retried after.
+    pub generation_statuses: Vec<u16>,
 }
+
+/// The OpenAI and TGI generation paths.
+pub const GENERATION_PATHS: [&str; 6] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/generate",
+    "/generate_stream",
+    "/invocations",
+];
 
 impl Default for RetryConfig {
     fn default() -> Self {
@@ -50,6 +70,8 @@ impl Default for RetryConfig {
             body_limit: 1024 * 1024,
             max_buffered_bytes: 32 * 1024 * 1024,
             budget: BudgetConfig::default(),
+            generation_paths: GENERATION_PATHS.map(str::to_owned).to_vec(),
+            generation_statuses: vec![500, 502, 503, 504],
         }
     }
 }
@@ -68,7 +90,28 @@ impl RetryConfig {
                 format!("expected at most 67108864 bytes, found {}", self.body_limit),
             ));
         }
+        if let Some(path) = self.generation_paths.iter().find(|p| !p.starts_with('/')) {
+            return Err(crate::forms::Invalid::new(
+                "generation_paths",
+                format!("expected paths starting with /, found {path:?}"),
+            ));
+        }
+        if let Some(status) = self
+            .generation_statuses
+            .iter()
+            .find(|status| !(500..=599).contains(*status))
+        {
+            return Err(crate::forms::Invalid::new(
+                "generation_statuses",
+                format!("expected 5xx statuses, found {status}"),
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether a request with `method` and `path` (no query) is a generation request.
+    pub fn is_generation(&self, method: &Method, path: &str) -> bool {
+        *method == Method::POST && self.generation_paths.iter().any(|p| p == path)
     }
 }
 
@@ -94,6 +137,10 @@ pub struct Attempted<'a> {
     pub number: u32,
     /// Whether any byte of an answer reached the client.
     pub answer_started: bool,
+    /// Whether the request is a generation ([`RetryConfig::is_generation`]).
+    pub generation: bool,
+    /// The answer's status, when the backend answered.
+    pub status: Option<StatusCode>,
 }
 
 /// Retry or not.
@@ -118,7 +165,8 @@ pub enum Stop {
     NotReplayable,
     /// This was the last attempt `retry.max_attempts` allows.
     AttemptsSpent,
-    /// The request may have reached the backend, and its method is not idempotent.
+    /// The request may have reached the backend, and its method is not idempotent (nor is it a
+    /// generation that failed before its head).
     NotIdempotent,
     /// The retry budget has no retry left.
     BudgetSpent,
@@ -128,14 +176,29 @@ pub enum Stop {
 #[derive(Debug, Clone, Copy)]
 pub struct RetryPolicy {
     max_attempts: u32,
+    /// [`RetryConfig::generation_statuses`]: bit `n` for status `500 + n`.
+    generation_statuses: u128,
 }
 
 impl RetryPolicy {
     /// The policy of a `[retry]` section.
     pub fn new(config: &RetryConfig) -> Self {
+        let generation_statuses = config
+            .generation_statuses
+            .iter()
+            .filter(|status| (500..=599).contains(*status))
+            .fold(0u128, |bits, status| bits | 1 << (status - 500));
         Self {
             max_attempts: config.max_attempts,
+            generation_statuses,
         }
+    }
+
+    fn is_generation_status(&self, status: Option<StatusCode>) -> bool {
+        status
+            .map(|status| status.as_u16())
+            .filter(|code| (500..=599).contains(code))
+            .is_some_and(|code| self.generation_statuses & (1 << (code - 500)) != 0)
     }
 
     /// Whether attempt `number` can be followed by no other, whatever its ending (a busy answer
@@ -161,41 +224,59 @@ impl RetryPolicy {
         if attempt.answer_started {
             return Err(Stop::AnswerStarted);
         }
-        let failure = retriable_ending(attempt.ending)?;
+        let retriable = self.retriable_ending(attempt)?;
         if !attempt.replayable {
             return Err(Stop::NotReplayable);
         }
         if attempt.number >= self.max_attempts {
             return Err(Stop::AttemptsSpent);
         }
-        let Some(kind) = failure else {
-            return Ok(RetryReason::Busy);
+        let reason = match retriable {
+            Retriable::Busy => return Ok(RetryReason::Busy),
+            Retriable::Failure(kind) => failure_reason(kind, attempt)?,
+            Retriable::GenerationStatus => RetryReason::Generation,
         };
-        let reason = failure_reason(kind, attempt.method)?;
         if !withdraw() {
             return Err(Stop::BudgetSpent);
         }
         Ok(reason)
     }
-}
 
-/// Whether an ending may be retried at all: `Ok(None)` for a busy answer, `Ok(Some(kind))` for
-/// an upstream failure before the response head.
-fn retriable_ending(ending: Ending) -> Result<Option<ErrorKind>, Stop> {
-    match ending {
-        Ending::ClientBody => Err(Stop::ClientBody),
-        Ending::Backend(Class::Busy(_)) => Ok(None),
-        Ending::Backend(Class::Failure(Some(kind))) => Ok(Some(kind)),
-        Ending::Backend(_) => Err(Stop::Answered),
+    /// Whether an ending may be retried at all, and as what.
+    fn retriable_ending(&self, attempt: &Attempted<'_>) -> Result<Retriable, Stop> {
+        match attempt.ending {
+            Ending::ClientBody => Err(Stop::ClientBody),
+            Ending::Backend(Class::Busy(_)) => Ok(Retriable::Busy),
+            Ending::Backend(Class::Failure(Some(kind))) => Ok(Retriable::Failure(kind)),
+            Ending::Backend(_)
+                if attempt.generation && self.is_generation_status(attempt.status) =>
+            {
+                Ok(Retriable::GenerationStatus)
+            }
+            Ending::Backend(_) => Err(Stop::Answered),
+        }
     }
 }
 
-/// Why a failure of `kind` may be retried for `method`, if it may.
-fn failure_reason(kind: ErrorKind, method: &Method) -> Result<RetryReason, Stop> {
+/// What of an ending may be retried.
+enum Retriable {
+    /// A busy answer.
+    Busy,
+    /// An upstream failure before the response head.
+    Failure(ErrorKind),
+    /// A generation's 5xx head of `retry.generation_statuses`.
+    GenerationStatus,
+}
+
+/// Why a failure of `kind` may be retried for the attempt's request, if it may: a connect
+/// failure for any method, another for an idempotent one, a reset for a generation.
+fn failure_reason(kind: ErrorKind, attempt: &Attempted<'_>) -> Result<RetryReason, Stop> {
     if kind.before_request_sent() {
         Ok(RetryReason::Connect)
-    } else if is_idempotent(method) {
+    } else if is_idempotent(attempt.method) {
         Ok(RetryReason::Idempotent)
+    } else if attempt.generation && kind == ErrorKind::Io {
+        Ok(RetryReason::Generation)
     } else {
         Err(Stop::NotIdempotent)
     }
@@ -213,8 +294,6 @@ pub fn is_idempotent(method: &Method) -> bool {
 mod tests {
     use std::cell::Cell;
     use std::time::Duration;
-
-    use http::StatusCode;
 
     use super::*;
 
@@ -234,6 +313,18 @@ mod tests {
             replayable: true,
             number: 1,
             answer_started: false,
+            generation: false,
+            status: None,
+        }
+    }
+
+    /// A first attempt of a generation request that got `status`.
+    fn generation_answered(status: u16) -> Attempted<'static> {
+        let status = StatusCode::from_u16(status).unwrap();
+        Attempted {
+            generation: true,
+            status: Some(status),
+            ..ended(Class::of(Some(status), None, None), &Method::POST)
         }
     }
 
@@ -380,5 +471,102 @@ mod tests {
             let decision = policy().decide(&ended(class, &Method::GET), || false);
             assert_eq!(decision, Decision::Stop(Stop::BudgetSpent), "{class:?}");
         }
+    }
+
+    #[test]
+    fn a_generation_is_retried_after_a_5xx_head_of_the_statuses_and_a_reset() {
+        for status in [500, 502, 503, 504] {
+            assert_eq!(
+                decide(&generation_answered(status)),
+                (Decision::Retry(RetryReason::Generation), 1),
+                "{status}"
+            );
+        }
+        let reset = Attempted {
+            generation: true,
+            ..ended(IO, &Method::POST)
+        };
+        assert_eq!(
+            decide(&reset),
+            (Decision::Retry(RetryReason::Generation), 1)
+        );
+        // Not a 4xx, not a 501, not a success; not a first-byte timeout (the backend may still
+        // be generating); not the same request on another path.
+        for status in [200, 400, 404, 501] {
+            assert_eq!(
+                decide(&generation_answered(status)),
+                (Decision::Stop(Stop::Answered), 0),
+                "{status}"
+            );
+        }
+        let slow = Attempted {
+            generation: true,
+            ..ended(
+                Class::Failure(Some(ErrorKind::FirstByteTimeout)),
+                &Method::POST,
+            )
+        };
+        assert_eq!(decide(&slow), (Decision::Stop(Stop::NotIdempotent), 0));
+        let elsewhere = Attempted {
+            generation: false,
+            ..generation_answered(500)
+        };
+        assert_eq!(decide(&elsewhere), (Decision::Stop(Stop::Answered), 0));
+        // Nothing once the answer started, within the attempts and the budget.
+        let started = Attempted {
+            answer_started: true,
+            ..generation_answered(500)
+        };
+        assert_eq!(decide(&started), (Decision::Stop(Stop::AnswerStarted), 0));
+        let last = Attempted {
+            number: 3,
+            ..generation_answered(502)
+        };
+        assert_eq!(decide(&last), (Decision::Stop(Stop::AttemptsSpent), 0));
+        assert_eq!(
+            policy().decide(&generation_answered(500), || false),
+            Decision::Stop(Stop::BudgetSpent)
+        );
+    }
+
+    #[test]
+    fn generation_paths_and_statuses_are_configured() {
+        let config = RetryConfig {
+            generation_paths: vec!["/v2/generate".to_owned()],
+            generation_statuses: vec![503],
+            ..RetryConfig::default()
+        };
+        assert!(config.is_generation(&Method::POST, "/v2/generate"));
+        assert!(!config.is_generation(&Method::POST, "/v1/chat/completions"));
+        assert!(!config.is_generation(&Method::GET, "/v2/generate"));
+        let policy = RetryPolicy::new(&config);
+        let attempt = |status| Attempted {
+            generation: true,
+            ..generation_answered(status)
+        };
+        assert_eq!(
+            policy.decide(&attempt(503), || true),
+            Decision::Retry(RetryReason::Generation)
+        );
+        assert_eq!(
+            policy.decide(&attempt(500), || true),
+            Decision::Stop(Stop::Answered)
+        );
+        for path in GENERATION_PATHS {
+            assert!(
+                RetryConfig::default().is_generation(&Method::POST, path),
+                "{path}"
+            );
+        }
+        let relative = RetryConfig {
+            generation_paths: vec!["v1/chat".to_owned()],
+            ..RetryConfig::default()
+        };
+        assert_eq!(relative.check().unwrap_err().key, "generation_paths");
+        let not_5xx = RetryConfig {
+            generation_statuses: vec![429],
+            ..RetryConfig::default()
+        };
+        assert_eq!(not_5xx.check().unwrap_err().key, "generation_statuses");
     }
 }

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Reports go to `target/bench/` (`report.md`, `report.json`, one SVG per scenario); the markdown
-//! is printed at the end. See `docs/benchmarks.md`.
+//! is printed at the end. See `docs/lab.md` and `docs/benchmarks.md`.
 
 #[path = "lab/mod.rs"]
 mod lab;

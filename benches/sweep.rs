@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Reports go to `target/bench-sweep/` (`sweep.md`, `sweep.json`, `sweep.svg`, the distribution
-//! of the ratios); the markdown is printed at the end. See `docs/benchmarks.md`.
+//! of the ratios); the markdown is printed at the end. See `docs/lab.md` and `docs/benchmarks.md`.
 
 #[path = "lab/mod.rs"]
 mod lab;

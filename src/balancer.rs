@@ -716,17 +716,10 @@ impl Balancer {
         }
     }
 
-    /// Records a finished request on its backend and tells the strategy; returns whether the
-    /// attempt failed.
-    fn record_outcome(
-        self: &Arc<Self>,
-        backend: &Arc<Backend>,
-        finish: &Finish,
-        latency: Duration,
-        first_byte: Option<Duration>,
-        streamed: bool,
-        prompt: (u64, u64),
-    ) -> bool {
+    /// Records how `lease`'s request ended on its backend after `latency` and tells the strategy;
+    /// returns whether the attempt failed.
+    fn record_outcome(self: &Arc<Self>, lease: &Lease, finish: &Finish, latency: Duration) -> bool {
+        let backend = &lease.backend;
         // The attempt's class, judged once: the sample, the strategy and availability read it.
         let class = Class::of(finish.status, finish.error, finish.retry_after);
         let failed = class.counts_as_failed();
@@ -752,12 +745,13 @@ impl Balancer {
             &Outcome {
                 latency: sample,
                 failed,
-                first_byte: first_byte.map(|d| d.as_secs_f64()),
+                first_byte: lease.first_byte.map(|d| d.as_secs_f64()),
                 bytes: finish.bytes,
-                streamed,
+                streamed: lease.streamed,
                 usage: finish.usage,
-                prompt_tokens: prompt.0,
-                expected_cached: prompt.1,
+                in_flight: lease.in_flight,
+                prompt_tokens: lease.prompt_tokens,
+                expected_cached: lease.prompt_tokens.saturating_sub(lease.work.prefill),
             },
         );
         self.metrics.request_duration.record(measured, &[]);
@@ -1033,17 +1027,7 @@ impl Lease {
         if finish.error.is_none() {
             self.first_byte_after(latency);
         }
-        let failed = self.balancer.record_outcome(
-            &self.backend,
-            &finish,
-            latency,
-            self.first_byte,
-            self.streamed,
-            (
-                self.prompt_tokens,
-                self.prompt_tokens.saturating_sub(self.work.prefill),
-            ),
-        );
+        let failed = self.balancer.record_outcome(&self, &finish, latency);
         if failed {
             let threshold = self.balancer.tuning.load().latency.threshold;
             let penalty = threshold.saturating_sub(latency);

@@ -384,6 +384,8 @@ pub struct Outcome {
     /// cached when it says), read for requests whose prompt the strategy reads
     /// ([`Strategy::reads_prompts`]); `None` when the answer had none.
     pub usage: Option<Usage>,
+    /// Requests in flight on the backend when this one was dispatched, itself included.
+    pub in_flight: usize,
     /// The request's prompt tokens as the router estimates them (0 without a prompt).
     pub prompt_tokens: u64,
     /// Of those, the tokens the router's prefix index expected the backend to hold when the

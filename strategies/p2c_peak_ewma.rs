@@ -392,6 +392,7 @@ mod tests {
             bytes: 0,
             streamed: false,
             usage: None,
+            in_flight: 1,
             prompt_tokens: 0,
             expected_cached: 0,
         }

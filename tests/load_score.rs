@@ -248,14 +248,61 @@ async fn whole_answers(balancer: &Arc<Balancer>, count: usize) {
     }
 }
 
+/// `answers` whole answers on the balancer's only backend, kept as full as its limit allows (each
+/// answer that ends is replaced at once), time going by in 5 ms ticks. The backend is an engine of
+/// `sequences` that runs each answer for `service` once it holds one (more wait in its own
+/// queue, first come first served).
+async fn pressed_whole_answers(
+    balancer: &Arc<Balancer>,
+    answers: usize,
+    sequences: usize,
+    service: Duration,
+) {
+    let mut waiting: std::collections::VecDeque<Lease> = std::collections::VecDeque::new();
+    let mut running: Vec<(tokio::time::Instant, Lease)> = Vec::new();
+    let mut ended = 0;
+    while ended < answers {
+        waiting.extend(admit_while_room(balancer, 1000).await);
+        while running.len() < sequences {
+            let Some(lease) = waiting.pop_front() else {
+                break;
+            };
+            running.push((tokio::time::Instant::now() + service, lease));
+        }
+        advance(Duration::from_millis(5)).await;
+        let now = tokio::time::Instant::now();
+        let (done, still): (Vec<_>, Vec<_>) =
+            running.into_iter().partition(|(ends, _)| *ends <= now);
+        running = still;
+        for (_, lease) in done {
+            lease.finish(ok(512));
+            ended += 1;
+        }
+        settle().await;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn once_streams_have_set_a_baseline_whole_answers_leave_the_limit_alone() {
-    // A replica that never streamed: whole answers are no sign of congestion, the limit grows.
+    // A replica that never streamed: one whole answer at a time says nothing of a higher load,
+    // the limit stays at its initial value.
     let balancer = balancer();
     with_backends(&balancer, &["a:1"]);
     whole_answers(&balancer, 20).await;
+    assert_eq!(admit_while_room(&balancer, 51).await.len(), 4);
+    // Answers that take as long at any load: more in flight finish more, nothing holds it.
+    let balancer = self::balancer();
+    with_backends(&balancer, &["a:1"]);
+    pressed_whole_answers(&balancer, 400, usize::MAX, Duration::from_millis(100)).await;
     let grown = admit_while_room(&balancer, 51).await.len();
-    assert!(grown > 5, "limit stayed at {grown}");
+    assert!(grown > 40, "limit held at {grown}");
+    // An engine of 6 sequences: past 6 the answers wait inside it (the time grows with the
+    // load), the throughput is flat, and the limit stops near 6.
+    let balancer = self::balancer();
+    with_backends(&balancer, &["a:1"]);
+    pressed_whole_answers(&balancer, 600, 6, Duration::from_millis(100)).await;
+    let knee = admit_while_room(&balancer, 51).await.len();
+    assert!((5..=12).contains(&knee), "limit {knee}");
 
     // A replica whose streams measured its queueing: only streams move its limit.
     let balancer = self::balancer();

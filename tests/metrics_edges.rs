@@ -459,7 +459,8 @@ async fn queue_outcomes_are_counted_once_by_band() {
         }
     })
     .await;
-    let mut config = qll();
+    // One request at a time until the backend has answered: the first holds it.
+    let mut config = qll_held();
     config.queue.timeout = Duration::from_millis(300);
     let router = start_router(config).await;
     set_backends(router.addr, &[backend.host_port()]).await;
@@ -469,7 +470,7 @@ async fn queue_outcomes_are_counted_once_by_band() {
             .body(full(""))
             .unwrap()
     };
-    // Occupies the only (never measured) backend: the rest wait.
+    // Occupies the only backend: the rest wait.
     let first = tokio::spawn(send(with_band("normal")));
     assert!(eventually(PATIENCE, async || backend.hits() == 1).await);
     // A normal request times out in the queue.

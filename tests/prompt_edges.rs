@@ -105,6 +105,7 @@ fn outcome(latency: f64, failed: bool) -> Outcome {
         bytes: 0,
         streamed: false,
         usage: None,
+        in_flight: 1,
         prompt_tokens: 0,
         expected_cached: 0,
     }

@@ -71,9 +71,10 @@ async fn a_client_that_disconnects_while_queued_is_never_sent_upstream() {
         }
     })
     .await;
-    let router = start_router(qll()).await;
+    // A limit of one until the backend has answered: the first request holds it, the rest
+    // must queue.
+    let router = start_router(qll_held()).await;
     set_backends(router.addr, &[backend.host_port()]).await;
-    // The first request probes the backend and holds it (rule 2: the rest must queue).
     let url = router.url("/first");
     let first = tokio::spawn(async move { get(&url).await });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

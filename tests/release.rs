@@ -156,7 +156,7 @@ async fn an_h1_client_that_leaves_while_queued_leaves_the_queue_and_is_never_sen
     for ahead in SENT_AHEAD {
         let backend = hanging_backend().await;
         // queued-least-latency: a never-measured busy backend takes no second request.
-        let (router, b) = routed(&backend, qll()).await;
+        let (router, b) = routed(&backend, qll_held()).await;
         let first = h1_request(&router).await;
         wait_hits(&backend, 1).await;
         let queued = h1_request(&router).await;
@@ -200,7 +200,7 @@ async fn an_h1_client_that_leaves_mid_stream_releases_the_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h1_client_whose_streamed_body_waits_unread_in_the_queue_leaves_it_when_it_leaves() {
     let backend = hanging_backend().await;
-    let (router, b) = routed(&backend, qll()).await;
+    let (router, b) = routed(&backend, qll_held()).await;
     let mut first = TcpStream::connect(router.addr).await.unwrap();
     first.write_all(GET).await.unwrap();
     wait_hits(&backend, 1).await;
@@ -287,7 +287,7 @@ async fn an_h2_client_that_leaves_while_its_head_is_awaited_releases_the_backend
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2_reset_and_close_while_queued_leave_the_queue() {
     let backend = hanging_backend().await;
-    let (router, b) = routed(&backend, qll()).await;
+    let (router, b) = routed(&backend, qll_held()).await;
     let mut first = TcpStream::connect(router.addr).await.unwrap();
     first.write_all(GET).await.unwrap();
     wait_hits(&backend, 1).await;
@@ -418,7 +418,7 @@ async fn a_busy_answer_then_success_elsewhere_releases_both_backends() {
     })
     .await;
     let good = slow_backend(Duration::from_millis(5)).await;
-    let mut config = qll();
+    let mut config = qll_held();
     config.latency.threshold = Duration::from_millis(200);
     let router = start_router(config).await;
     set_backends(router.addr, &[busy.host_port(), good.host_port()]).await;
@@ -574,7 +574,7 @@ async fn a_backend_removed_while_requests_are_in_flight_and_queued_releases_ever
         })
         .await
     };
-    let mut config = qll();
+    let mut config = qll_held();
     config.queue.timeout = Duration::from_millis(800);
     let (router, b) = routed(&backend, config).await;
     let url = router.url("/generate");
@@ -613,7 +613,7 @@ async fn get_owned(url: String) -> (StatusCode, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_timeout_deadline_and_eviction_leave_nothing_behind() {
     let backend = hanging_backend().await;
-    let mut config = qll();
+    let mut config = qll_held();
     config.queue.timeout = Duration::from_millis(400);
     config.queue.max_size = 1;
     let (router, b) = routed(&backend, config).await;
@@ -700,7 +700,7 @@ async fn draining_finishes_in_flight_and_queued_requests_and_releases_them() {
         })
         .await
     };
-    let mut config = qll();
+    let mut config = qll_held();
     config.shutdown.timeout = Duration::from_secs(5);
     let mut router = start_router(config).await;
     set_backends(router.addr, &[backend.host_port()]).await;

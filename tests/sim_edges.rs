@@ -1,4 +1,4 @@
-//! The benchmark lab's simulator and measurements held to what docs/benchmarks.md ("The
+//! The benchmark lab's simulator and measurements held to what docs/lab.md ("The
 //! simulated replica", "Scenarios") says of them: the time to first token of per-request
 //! batching, a running request's prefix blocks pinned in the replica's cache, goodput set
 //! against the capacity of the replicas as run, open-loop arrivals, nearest-rank percentiles and

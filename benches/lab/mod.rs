@@ -13,7 +13,7 @@
 //! [`run_sweep`] runs the physics sweep ([`sweep`]) against the default and the best peers.
 //!
 //! [`run_suite`] runs everything; `benches/suite.rs` is its command line and
-//! `tests/bench_smoke.rs` runs it in smoke mode. See `docs/benchmarks.md`.
+//! `tests/bench_smoke.rs` runs it in smoke mode. See `docs/lab.md` and `docs/benchmarks.md`.
 #![allow(dead_code)]
 
 pub mod gateways;

@@ -91,6 +91,9 @@ pub struct Routing {
     /// Splits the records into classes by a function of the record (instead of the classes a
     /// Poisson traffic declares), for per-class numbers.
     pub classifier: Option<Classifier>,
+    /// How much faster than real time it runs on top of what its mode compresses: its replicas
+    /// that much faster, its users' times and its SLO that much shorter (1: as the mode says).
+    pub compression: f64,
 }
 
 /// Classes of records given by a function of the record (for example its prompt length).
@@ -251,6 +254,7 @@ fn small_replicas(replicas: Vec<Replica>, poisson: Poisson) -> Routing {
         reports_overload: false,
         seed_of: None,
         classifier: None,
+        compression: 1.0,
     }
 }
 
@@ -493,6 +497,7 @@ fn engine_classed_routing(
         reports_overload: only.is_none(),
         seed_of: Some(parent),
         classifier: None,
+        compression: 1.0,
     }
 }
 
@@ -637,6 +642,7 @@ fn llm(replica_count: usize, engine: SimConfig, workload: Workload, slo: Slo) ->
         reports_overload: false,
         seed_of: None,
         classifier: None,
+        compression: 1.0,
     }
 }
 
@@ -883,17 +889,18 @@ impl Routing {
     /// How much faster than real time the scenario runs in `mode`: the LLM scenarios compress
     /// time in quick and smoke modes; Poisson scenarios shorten their duration instead.
     pub fn time_compression(&self, mode: Mode) -> f64 {
-        match &self.traffic {
+        let by_mode = match &self.traffic {
             Traffic::Poisson(poisson) if !poisson.compressed => 1.0,
             Traffic::Poisson(_) | Traffic::Users(_) => mode.time_compression(),
-        }
+        };
+        by_mode * self.compression
     }
 
     /// How a users workload is shrunk in `mode`.
     fn workload_scale(&self, mode: Mode) -> Scale {
         Scale {
             users: mode.user_fraction(),
-            time_compression: mode.time_compression(),
+            time_compression: self.time_compression(mode),
         }
     }
 
@@ -1291,6 +1298,7 @@ async fn run_routing(
     context: RunContext<'_>,
 ) -> Result<PeerRun, LabError> {
     let seed = scenario_seed(routing.seed_of.unwrap_or(scenario), context.seed);
+    let started = tokio::time::Instant::now();
     let replicas = start_replicas(routing, seed, context.mode).await?;
     let addresses: Vec<String> = replicas.iter().map(|r| r.address.clone()).collect();
     let stats: Vec<Arc<SimStats>> = replicas
@@ -1307,6 +1315,7 @@ async fn run_routing(
             access_log.as_deref(),
         )
         .await?;
+    let peer_ready = started.elapsed().as_secs_f64();
     let load_task = match (&routing.traffic, routing.open_loop(context.mode, seed)) {
         (Traffic::Poisson(_), Some(load)) => tokio::spawn(load::run_open_loop(
             running.addr(),
@@ -1341,6 +1350,12 @@ async fn run_routing(
     };
     let exited = running.exited();
     running.stop().await;
+    eprintln!(
+        "[bench] {scenario} {}: ready after {peer_ready:.1} s, {} requests done after {:.1} s",
+        peer.name(),
+        records.len(),
+        started.elapsed().as_secs_f64()
+    );
     drop(replicas);
     if let Some(error) = scale_up_error {
         return Err(error);

@@ -36,12 +36,17 @@ use super::trace::Trace;
 use super::workload::{Chat, Documents, Workload};
 use super::{LabError, Mode};
 
-/// Seconds of arrivals in every draw.
-const ARRIVAL_SECONDS: f64 = 30.0;
+/// Seconds of arrivals in every draw, in the draw's own time (a draw runs compressed, see
+/// [`Draw::compression`]).
+const ARRIVAL_SECONDS: f64 = 60.0;
 
 /// Token events a second the machine can carry through a peer and the load generator: streamed
-/// draws with more sequences than this allows run fewer replicas.
+/// draws with more sequences than this allows run fewer replicas, and less compressed.
 const EVENT_BUDGET: f64 = 8_000.0;
+
+/// How much faster than real time a draw runs at most: replicas, arrivals, think times and the
+/// SLO together, so that a draw's physics and its results hold as drawn.
+const MAX_COMPRESSION: f64 = 3.0;
 
 /// The workloads a draw runs, in turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -105,6 +110,9 @@ pub struct Draw {
     pub usage: bool,
     /// Offered load over the modelled capacity.
     pub load: f64,
+    /// How much faster than real time it runs (what the report shows is in real time: the
+    /// replicas' physics as drawn, latencies times this).
+    pub compression: f64,
     /// The SLO.
     pub slo: Slo,
     #[serde(skip)]
@@ -180,6 +188,7 @@ pub fn draw(seed: u64, index: usize) -> Draw {
     let kv_tokens = ((slots as f64 * (prompt + output) * kv_share) as u64).max(140_000);
     let concurrent = (slots as f64).min(kv_tokens as f64 / (prompt + output));
     let mut replicas = 3 + rng.usize(0..=2);
+    let mut compression = MAX_COMPRESSION;
     if stream {
         let step_s = step_ms * full_batch_factor / 1000.0;
         let per_replica = concurrent * load / step_s;
@@ -187,6 +196,10 @@ pub fn draw(seed: u64, index: usize) -> Draw {
         if replicas < 2 {
             replicas = 2;
             stream = per_replica * 2.0 <= EVENT_BUDGET;
+        }
+        if stream {
+            let events = per_replica * replicas as f64;
+            compression = (EVENT_BUDGET / events).clamp(1.0, MAX_COMPRESSION);
         }
     }
     let speeds: Vec<f64> = (0..replicas)
@@ -310,6 +323,7 @@ pub fn draw(seed: u64, index: usize) -> Draw {
         reports_overload: false,
         seed_of: None,
         classifier: None,
+        compression,
     };
     Draw {
         index,
@@ -326,6 +340,7 @@ pub fn draw(seed: u64, index: usize) -> Draw {
         stream,
         usage,
         load,
+        compression,
         slo,
         routing,
     }
@@ -353,7 +368,7 @@ impl Draw {
                 .join("/")
         };
         format!(
-            "{} at {:.0} % load; {} × {} seqs, KV {}k, prefix cache {}k, prefill {:.0} µs/tok, step {:.0} ms × {:.2} full, budget {}, speeds {speeds}, {}, {}",
+            "{} at {:.0} % load; {} × {} seqs, KV {}k, prefix cache {}k, prefill {:.0} µs/tok, step {:.0} ms × {:.2} full, budget {}, speeds {speeds}, {}, {}; run {:.1} × faster",
             self.family.name(),
             self.load * 100.0,
             self.replicas,
@@ -366,6 +381,7 @@ impl Draw {
             self.token_budget,
             if self.stream { "streamed" } else { "whole" },
             if self.usage { "usage" } else { "no usage" },
+            self.compression,
         )
     }
 }
@@ -395,9 +411,20 @@ pub struct DrawResult {
 impl DrawResult {
     /// The result of `outcomes` for `draw`, `default` the peer measured against the others.
     pub fn of(draw: Draw, outcomes: Vec<PeerOutcome>, default: &str) -> Self {
+        // Back to the draw's real time: it ran `compression` times faster.
+        let real_time = |mut metrics: Metrics| {
+            for (key, value) in &mut metrics {
+                if key.ends_with("_s") || key.contains("_s.") {
+                    *value *= draw.compression;
+                } else if key.ends_with("_rps") {
+                    *value /= draw.compression;
+                }
+            }
+            metrics
+        };
         let peers: Vec<(String, Result<Metrics, String>)> = outcomes
             .into_iter()
-            .map(|(name, outcome)| (name, outcome.map(|run| run.metrics)))
+            .map(|(name, outcome)| (name, outcome.map(|run| real_time(run.metrics))))
             .collect();
         let metric = |name: &str, key: &str| -> Option<f64> {
             let (_, outcome) = peers.iter().find(|(peer, _)| peer == name)?;

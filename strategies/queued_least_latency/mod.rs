@@ -14,8 +14,11 @@
 //!
 //! **`score = "load"` (default): predicted latency with a learned concurrency limit.** End-to-end
 //! latency mixes up a slow replica with a long answer, and a latency threshold is not a capacity
-//! signal, so the load score keeps rules 1 and 2 and replaces 3 and 4:
+//! signal, so the load score replaces all four rules:
 //!
+//! - *Before it has answered*, a backend takes up to `initial_limit` requests, scored as a
+//!   typical backend of the fleet (an LLM answer takes seconds: holding requests back until the
+//!   first ends would leave it idle).
 //! - *Cost*: seconds per KiB of response body, i.e. the replica's speed with the answer length
 //!   factored out: an EWMA of latency divided by an EWMA of KiB (at least 1/8 KiB per answer),
 //!   kept apart for streamed and whole answers, whose bytes per token differ by an order of
@@ -50,7 +53,11 @@
 //!   measured backend is a candidate while one more request in flight stays within its limit
 //!   (a limit of 4.4 admits 4: a fifth would wait inside the replica, out of the router
 //!   queue's order) and its in-flight count is below `ramp_up_factor` × its first
-//!   bytes (or completed requests, the larger).
+//!   bytes (or completed requests, the larger). On a backend that never streamed, the limit is
+//!   the load where its whole answers show the most throughput (`load/whole.rs`).
+//! - *Prefix index*: each backend's is sized like what its engine keeps, from the `usage`
+//!   answers report (`load/cache.rs`); a full backend holding much more of the prompt still
+//!   takes it when the prefill saved outweighs the wait for a slot (`load/pick.rs`).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
 //!   work in flight (expected output tokens, weighted by relative cost) than its share plus three
 //!   typical requests' work, plus `load_bound` - 1 times the share up to three more, is skipped;

@@ -212,6 +212,17 @@ pub fn qll() -> Config {
     with_strategy("queued-least-latency")
 }
 
+/// A queued-least-latency config where a backend not yet measured takes one request at a
+/// time (`initial_limit = 1`): the second concurrent request queues in the router.
+pub fn qll_held() -> Config {
+    let mut config = qll();
+    config
+        .strategy
+        .params
+        .insert("initial_limit".into(), figment::value::Value::from(1));
+    config
+}
+
 /// Three backends answering 200 after `delay`, and the four addresses with `odd_one` at
 /// position `at`.
 pub async fn three_healthy_and(

@@ -73,6 +73,7 @@ mod tests {
                 completion_tokens: 10,
                 cached_tokens: found,
             }),
+            in_flight: 1,
             prompt_tokens: prompt,
             expected_cached: expected,
         }

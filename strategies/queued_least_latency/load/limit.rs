@@ -13,7 +13,7 @@ use super::engine::engine_full;
 use super::ttfb::Expected;
 use super::{History, Learned, LoadScore, Slot};
 use crate::backend::Backend;
-use crate::strategies::{FirstByte, Outcome};
+use crate::strategies::FirstByte;
 
 /// Weight of a new limit estimate.
 const LIMIT_SMOOTHING: f64 = 0.2;
@@ -96,18 +96,6 @@ impl LoadScore {
                 }
             }
         });
-    }
-
-    /// After an answer's end: on a replica that never streamed, a whole answer counts as no sign
-    /// of congestion and the limit grows, damped. Only a stream's first byte measures queueing
-    /// (see `learn_ttfb`); a whole answer's first byte comes with its end.
-    pub(super) fn learn_outcome(&self, state: &mut Learned, outcome: &Outcome) {
-        if outcome.failed || outcome.streamed || state.history.streamed {
-            return;
-        }
-        state.limit = ((1.0 - LIMIT_SMOOTHING) * state.limit
-            + LIMIT_SMOOTHING * (state.limit + state.limit.sqrt()))
-        .min(self.max_limit);
     }
 
     /// A stream's first byte after `first_byte.seconds`, with `busy` requests in flight on the

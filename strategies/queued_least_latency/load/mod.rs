@@ -24,6 +24,8 @@
 //!   the guards and the score;
 //! - `pick.rs`: the pick's fallback order (a failing backend, the guards, an overflow past a
 //!   limit);
+//! - `whole.rs`: the limit of a replica that answers whole, from the throughput its answers
+//!   show at each load;
 //! - `testing.rs`: tests only, what the rooms' tests share.
 //!
 //! Each room's tests are beside it, in its own `tests` module.
@@ -46,6 +48,7 @@ mod score;
 #[cfg(test)]
 mod testing;
 mod ttfb;
+mod whole;
 
 use cost::{Fleet, KindCost};
 use limit::Ceiling;
@@ -149,6 +152,8 @@ struct History {
     prefill_samples: u32,
     /// The probe above the limit that failed last ([`Ceiling`]).
     ceiling: Option<Ceiling>,
+    /// The throughput whole answers showed at each load (`whole.rs`).
+    throughput: whole::Throughput,
 }
 
 impl Learned {
@@ -301,9 +306,10 @@ impl LoadScore {
     /// Folds `outcome` into what is learned about `backend` and into the fleet's sums: its cost,
     /// and on a replica that never streamed, its limit.
     pub(super) fn learn(&self, backend: &Backend, outcome: &Outcome) {
+        let in_flight = backend.in_flight();
         self.update(backend, |learned, fleet| {
             self.record_cost(learned, fleet, outcome);
-            self.learn_outcome(learned, outcome);
+            self.learn_whole(learned, outcome, in_flight);
         });
         cache::learn_cache(backend, outcome);
     }

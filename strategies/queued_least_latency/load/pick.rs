@@ -19,6 +19,12 @@ const OVERFLOW_SPEEDUP: f64 = 1.5;
 /// How many times the typical request's output a request must ask for to overflow: a short
 /// answer runs soon enough anywhere.
 const OVERFLOW_LENGTH: f64 = 1.2;
+/// The share of the prompt a full backend must hold beyond the chosen one's for the request to
+/// wait for a slot there ([`LoadScore::affinity`]).
+const AFFINITY_SHARE: f64 = 0.3;
+/// How far past its limit a backend takes requests for the prefix it holds: this multiple of
+/// the limit, plus one.
+const AFFINITY_ROOM: f64 = 1.5;
 
 impl LoadScore {
     /// The pick for `request` among `candidates` (ties broken by `ties`).
@@ -63,11 +69,71 @@ impl LoadScore {
             }
             found => found,
         }?;
-        // A much faster backend past its limit may still finish it sooner.
-        let overflow = candidates
-            .get(found)
-            .and_then(|chosen| self.overflow(chosen, candidates, generation, &fleet, &demand));
+        // A much faster backend past its limit may still finish it sooner; a full one holding
+        // much more of its prompt may start it sooner.
+        let chosen = candidates.get(found)?;
+        let overflow = self
+            .overflow(chosen, candidates, generation, &fleet, &demand)
+            .or_else(|| self.affinity(chosen, candidates, generation, &fleet, &demand));
         Some(overflow.unwrap_or(Pick::at(found)))
+    }
+
+    /// A backend past its limit holding at least [`AFFINITY_SHARE`] of the prompt more than
+    /// `chosen` (which has room), where the prefill this saves is longer than the wait for a
+    /// slot: a tenant's requests stay where its prompt is cached rather than spread to replicas
+    /// that must prefill it and then draw more of them. The wait is the requests ahead of it past
+    /// the limit, each a slot's share of the backend's typical request; at most
+    /// [`AFFINITY_ROOM`] × the limit plus one are held. Never a backend in a run of failures,
+    /// without ramp-up room or with an engine-stated capacity. Returns the backend past its limit
+    /// ([`Pick::past_limit`]): its late first byte does not lower the limit.
+    fn affinity(
+        &self,
+        chosen: &Backend,
+        candidates: Candidates<'_>,
+        generation: u64,
+        fleet: &Fleet,
+        demand: &Demand<'_>,
+    ) -> Option<Pick> {
+        if demand.prompt_tokens == 0 {
+            return None;
+        }
+        let matched = |backend: &Backend| {
+            Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
+        };
+        let chosen_matched = matched(chosen);
+        let least = AFFINITY_SHARE * demand.prompt_tokens as f64;
+        let mut best: Option<(f64, usize)> = None;
+        for (index, backend) in candidates.iter() {
+            let Some(rank) = backend.strategy_slot::<Slot>().rank(generation) else {
+                continue;
+            };
+            let in_flight = backend.in_flight();
+            let ahead = in_flight as f64 + 1.0 - rank.limit.floor().max(1.0);
+            if ahead <= 0.0
+                || in_flight as f64 + 1.0 > AFFINITY_ROOM * rank.limit + 1.0
+                || backend.failures_in_a_row() > 0
+                || !self.ramp_room(backend, in_flight)
+                || demand
+                    .now
+                    .is_some_and(|now| backend.engine().max_concurrent(now).is_some())
+            {
+                continue;
+            }
+            let extra = matched(backend).saturating_sub(chosen_matched) as f64;
+            if extra < least {
+                continue;
+            }
+            let saved = extra * rank.prefill_rate;
+            let slot = relative_cost(fleet, Some(rank)) * demand.unit;
+            let gain = saved - ahead * slot;
+            if gain > 0.0 && best.is_none_or(|(most, _)| gain > most) {
+                best = Some((gain, index));
+            }
+        }
+        best.map(|(_, index)| Pick {
+            index,
+            past_limit: true,
+        })
     }
 
     /// A backend past its limit (or ceiling) that is expected to finish the request sooner than

@@ -45,7 +45,7 @@ pub(super) struct Demand<'r> {
     pub(super) output: f64,
     /// Seconds one typical request adds to the wait of the requests it shares a backend with:
     /// the fleet's mean latency over its mean concurrency limit.
-    unit: f64,
+    pub(super) unit: f64,
     /// Tokens of output a typical request in flight is expected to generate.
     pub(super) typical_output: f64,
     /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
@@ -241,22 +241,17 @@ impl LoadScore {
             return None;
         }
         let state = backend.strategy_slot::<Slot>().rank(generation);
-        if !Self::measured(backend, state) {
-            // One at a time until measured; the engine's own numbers still tell busy from idle
-            // (a router that just became the leader has measured nothing).
-            if in_flight > 0 {
-                return None;
-            }
-            let engine = demand.now.and_then(|now| backend.engine().snapshot(now));
-            return Some(engine.map_or(0.0, |engine| engine_ahead(&engine) * demand.unit));
-        }
+        // Until it has answered, a backend takes up to the initial limit, scored as a typical
+        // backend of the fleet (its answers take seconds: holding requests back until the first
+        // one ends would leave it idle while they wait); then the ramp-up room applies.
+        let measured = Self::measured(backend, state);
         // An engine that states its capacity (TGI's `max_concurrent_requests`) is taken at its
         // word.
         let limit = demand
             .now
             .and_then(|now| backend.engine().max_concurrent(now))
             .map_or_else(|| state.map_or(self.initial_limit, |s| s.limit), f64::from);
-        let ramp = self.ramp_room(backend, in_flight);
+        let ramp = !measured || self.ramp_room(backend, in_flight);
         // A request goes where the limit has a whole slot for it: with a limit of 4.4 a fifth
         // would wait inside the replica, behind the four it runs, out of the router queue's
         // order (bands, tenants' shares). The next one goes when the limit reaches 5.

@@ -84,6 +84,7 @@ pub(super) fn streamed(latency: f64, ttfb: f64) -> Outcome {
         bytes: 4096,
         streamed: true,
         usage: None,
+        in_flight: 1,
         prompt_tokens: 0,
         expected_cached: 0,
     }

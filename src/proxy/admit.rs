@@ -4,7 +4,6 @@
 //! tenant, deadline); the head to forward is prepared once. The access log record and server
 //! span start here too, when either is on.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderValue};
@@ -87,26 +86,40 @@ impl Admitted {
     }
 }
 
-/// Admits `request`: refuses a `CONNECT`, reads its body for replay, reads its admission and
-/// prepares its head; or says what the client gets instead.
-pub(super) async fn admit(
-    balancer: &Arc<Balancer>,
-    policy: &ProxyPolicy,
+/// Refuses a `CONNECT` and reads the body into memory when it is small enough to be sent
+/// again; or says what the client gets instead. The only phase of admission that waits.
+pub(super) async fn receive(
     request: Request<ClientBody>,
-    fields: Option<FieldLines>,
-    client: &ForwardedFor,
+    policy: &ProxyPolicy,
     seen: &mut Observation,
-) -> Result<Admitted, Answer> {
+) -> Result<(Parts, RequestBody), Answer> {
     if request.method() == Method::CONNECT {
         return Err(Answer::connect_not_allowed());
     }
     let (parts, body) = request.into_parts();
+    let body = RequestBody::read(body, policy.retry.body_limit, &policy.buffer_budget)
+        .await
+        .map_err(|error| Answer::body_failure(BodyFailure::of(&*error)))?;
+    if let Some(log) = seen.log.as_mut() {
+        log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
+    }
+    Ok((parts, body))
+}
+
+/// Admits a received request: reads its admission and prepares its head.
+pub(super) fn admit(
+    balancer: &Balancer,
+    policy: &ProxyPolicy,
+    (parts, body): (Parts, RequestBody),
+    fields: Option<FieldLines>,
+    client: &ForwardedFor,
+    seen: &mut Observation,
+) -> Admitted {
     let generation = policy.retry.is_generation(&parts.method, parts.uri.path());
-    let body = read_body(body, policy, seen).await?;
     let (info, admission) = admission_of(balancer, &parts, fields.as_ref(), &body);
     note_admission(seen, &info, admission);
     let head = prepare_head(parts, fields, client, &body, seen);
-    Ok(Admitted {
+    Admitted {
         ask: Ask {
             info,
             admission,
@@ -118,22 +131,7 @@ pub(super) async fn admit(
         generation,
         // Read the clock only for what needs it.
         arrived: policy.decision_headers.then(Instant::now),
-    })
-}
-
-/// The body, read into memory when it is small enough to be sent again.
-async fn read_body(
-    body: ClientBody,
-    policy: &ProxyPolicy,
-    seen: &mut Observation,
-) -> Result<RequestBody, Answer> {
-    let body = RequestBody::read(body, policy.retry.body_limit, &policy.buffer_budget)
-        .await
-        .map_err(|error| Answer::body_failure(BodyFailure::of(&*error)))?;
-    if let Some(log) = seen.log.as_mut() {
-        log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
     }
-    Ok(body)
 }
 
 /// What the strategy sees of the request, and how it is queued.

@@ -5,7 +5,7 @@
 //!
 //! | Phase | Where | What |
 //! |---|---|---|
-//! | admit | [`admit`] | `CONNECT` refused, body kept for replay, admission read, head prepared |
+//! | receive, admit | [`admit`] | `CONNECT` refused, body kept for replay; admission read, head prepared |
 //! | pick | [`pick`] | a lease on a backend: through the queue first, untried backends for a retry |
 //! | dispatch, send | [`attempt`] | the attempt noted and counted; sent, its response head awaited |
 //! | classify | [`attempt`] | how it ended ([`crate::classify::Class`]), a failure recorded at once |
@@ -40,7 +40,7 @@ use crate::observed::{Observation, ResponseBody};
 use crate::retry_budget::RetryBudget;
 use crate::traces::Traces;
 use crate::upstream::UpstreamClient;
-use admit::{Admitted, admit, observe};
+use admit::{Admitted, admit, observe, receive};
 use answer::{Answer, stream_back};
 use attempt::{classify, dispatch, send};
 use pick::{Tries, pick};
@@ -85,8 +85,11 @@ pub async fn proxy(
     client: &ForwardedFor,
 ) -> Response<ResponseBody> {
     let mut seen = observe(&policy, &request, fields.as_ref());
-    let answer = match admit(balancer, &policy, request, fields, client, &mut seen).await {
-        Ok(admitted) => forward(balancer, &policy, admitted, &mut seen).await,
+    let answer = match receive(request, &policy, &mut seen).await {
+        Ok(received) => {
+            let mut admitted = admit(balancer, &policy, received, fields, client, &mut seen);
+            forward(balancer, &policy, &mut admitted, &mut seen).await
+        }
         Err(refused) => refused,
     };
     stream_back(seen, answer)
@@ -97,7 +100,7 @@ pub async fn proxy(
 async fn forward(
     balancer: &Arc<Balancer>,
     policy: &ProxyPolicy,
-    mut request: Admitted,
+    request: &mut Admitted,
     seen: &mut Observation,
 ) -> Answer {
     let retry = RetryPolicy::new(&policy.retry);

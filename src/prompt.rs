@@ -58,6 +58,7 @@
 //! gathering it: the only allocation is the [`Prompt::blocks`] slice, and a 100 KB chat body
 //! costs a few tens of microseconds (`benches/prompt.rs`).
 
+use std::cell::Cell;
 use std::fmt;
 
 use serde::Deserialize;
@@ -83,8 +84,16 @@ const MESSAGE_END: u8 = 0x1E;
 /// The seed of the first block's hash.
 const CHAIN_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// Block hashes kept on the stack before spilling to the heap (128 KiB of prompt text).
-const INLINE_BLOCKS: usize = 512;
+/// Hashes a thread's scratch list may keep between prompts (512 KiB); a longer one, built for a
+/// very long prompt, is given back to the allocator.
+const SCRATCH_KEPT: usize = 64 * 1024;
+
+thread_local! {
+    /// The block hashes of the prompt being read, a list each thread keeps between prompts: a
+    /// chain neither allocates nor clears a buffer of its own per request (each prompt's hashes
+    /// are copied out once, into its `blocks`).
+    static SCRATCH: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+}
 
 /// The prompt of one request, as far as routing cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,15 +151,24 @@ impl Prompt {
     }
 }
 
-/// The hash chain being built: a block buffer, the last full block's hash and the hashes so far.
+/// The hash chain being built: a block buffer, the last full block's hash and the hashes so far
+/// (in the thread's scratch list, given back when the chain is dropped).
 struct Chain {
     buf: [u8; BLOCK_BYTES],
     fill: usize,
     last: u64,
     bytes: usize,
-    inline: [u64; INLINE_BLOCKS],
-    count: usize,
-    spill: Vec<u64>,
+    hashes: Vec<u64>,
+}
+
+impl Drop for Chain {
+    fn drop(&mut self) {
+        let mut hashes = std::mem::take(&mut self.hashes);
+        if hashes.capacity() <= SCRATCH_KEPT {
+            hashes.clear();
+            SCRATCH.with(|scratch| scratch.set(hashes));
+        }
+    }
 }
 
 impl Chain {
@@ -160,9 +178,7 @@ impl Chain {
             fill: 0,
             last: CHAIN_SEED,
             bytes: 0,
-            inline: [0; INLINE_BLOCKS],
-            count: 0,
-            spill: Vec::new(),
+            hashes: SCRATCH.with(Cell::take),
         }
     }
 
@@ -194,12 +210,7 @@ impl Chain {
 
     fn push(&mut self, hash: u64) {
         self.last = hash;
-        if self.count < INLINE_BLOCKS {
-            self.inline[self.count] = hash;
-        } else {
-            self.spill.push(hash);
-        }
-        self.count += 1;
+        self.hashes.push(hash);
     }
 
     /// The hash of the whole text so far, its partial block included.
@@ -208,14 +219,7 @@ impl Chain {
     }
 
     fn into_blocks(self) -> Box<[u64]> {
-        let inline = &self.inline[..self.count.min(INLINE_BLOCKS)];
-        if self.spill.is_empty() {
-            return Box::from(inline);
-        }
-        let mut all = Vec::with_capacity(self.count);
-        all.extend_from_slice(inline);
-        all.extend_from_slice(&self.spill);
-        all.into_boxed_slice()
+        Box::from(&self.hashes[..])
     }
 }
 
@@ -730,11 +734,15 @@ mod tests {
     }
 
     #[test]
-    fn prompt_of_a_large_body_spills_past_the_inline_blocks() {
-        let big = text((INLINE_BLOCKS + 100) * BLOCK_BYTES + 10, 17);
-        let p = of(json!({"prompt": big}));
-        assert_eq!(p.blocks.len(), INLINE_BLOCKS + 100);
-        let q = of(json!({"prompt": &big[..INLINE_BLOCKS * BLOCK_BYTES]}));
-        assert_eq!(&p.blocks[..INLINE_BLOCKS], &q.blocks[..]);
+    fn a_prompts_blocks_do_not_depend_on_the_prompts_read_before_it() {
+        let big = text(600 * BLOCK_BYTES + 10, 17);
+        let long = of(json!({"prompt": big}));
+        assert_eq!(long.blocks.len(), 600);
+        // The thread's scratch list held 600 hashes; a shorter prompt sees none of them.
+        let short = of(json!({"prompt": &big[..10 * BLOCK_BYTES]}));
+        assert_eq!(&short.blocks[..], &long.blocks[..10]);
+        // A body that is not a prompt leaves the list empty for the next one too.
+        assert!(Prompt::of_body(br#"{"prompt": "unterminated"#).is_none());
+        assert_eq!(of(json!({"prompt": big})), long);
     }
 }

@@ -76,6 +76,9 @@ struct Args {
     /// OpenAI answers carry `usage` (prompt, completion and cached prompt tokens).
     #[arg(long)]
     usage: bool,
+    /// Time every step as if every slot were decoding (a lone request takes a full batch's time).
+    #[arg(long)]
+    full_batch: bool,
     /// Fraction (0..=1) of requests answered 500.
     #[arg(long, default_value_t = 0.0)]
     fail_fraction: f64,
@@ -138,6 +141,7 @@ impl Args {
                 exit_after: self.exit_after.map(Duration::from_secs_f64),
             },
             usage: self.usage,
+            full_batch: self.full_batch,
         }
     }
 }

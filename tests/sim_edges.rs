@@ -82,6 +82,92 @@ async fn per_request_first_token_comes_after_the_prefill_and_one_step() {
     );
 }
 
+/// A replica timed as a full batch takes, for one request alone, what a full batch takes: every
+/// step as if every slot were decoding, per-request and stepped alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_batch_replica_times_a_lone_request_as_a_full_batch() {
+    for batching in [
+        Batching::PerRequest,
+        Batching::Stepped {
+            token_budget: 2_048,
+        },
+    ] {
+        let config = |full_batch| SimConfig {
+            name: "fb".into(),
+            slots: 8,
+            prefill_ms: 0.0,
+            step_ms: 10.0,
+            step_per_batch_ms: 5.0,
+            batching,
+            full_batch,
+            ..SimConfig::default()
+        };
+        let alone = sim::spawn(config(false)).await.unwrap();
+        let full = sim::spawn(config(true)).await.unwrap();
+        // 4 tokens: 4 × 15 ms alone, 4 × 50 ms in a full batch of 8.
+        let quick = send_to(alone.addr, &completion("abcd", 4)).await;
+        let slow = send_to(full.addr, &completion("abcd", 4)).await;
+        assert!(
+            quick.is_success() && slow.is_success(),
+            "{quick:?} {slow:?}"
+        );
+        assert!(
+            quick.latency < 0.15,
+            "{batching:?}: alone {:.3} s, documented 0.060 s",
+            quick.latency
+        );
+        assert!(
+            (0.19..0.40).contains(&slow.latency),
+            "{batching:?}: full batch {:.3} s, documented 0.200 s",
+            slow.latency
+        );
+    }
+}
+
+/// A floor scenario sends the class that matters alone, on replicas timed as full batches; its
+/// non-streamed form sends the same requests without streaming.
+#[test]
+fn floor_scenarios_send_their_class_alone_on_full_batch_replicas() {
+    let all = scenarios::all();
+    let routing = |name: &str| -> Routing {
+        let scenario = all.iter().find(|s| s.name == name).expect(name);
+        match &scenario.kind {
+            Kind::Routing(routing) => (**routing).clone(),
+            Kind::Overhead(_) => panic!("{name} is not a routing scenario"),
+        }
+    };
+    for (mixed, floor, class) in [
+        ("noisy-tenant", "noisy-tenant-floor", "b"),
+        ("noisy-tenant-whole", "noisy-tenant-whole-floor", "b"),
+        ("priority-engine", "priority-engine-floor", "high"),
+        (
+            "priority-engine-whole",
+            "priority-engine-whole-floor",
+            "high",
+        ),
+    ] {
+        let (mixed, floor) = (routing(mixed), routing(floor));
+        assert!(!mixed.engine.full_batch && floor.engine.full_batch);
+        let (Traffic::Poisson(m), Traffic::Poisson(f)) = (&mixed.traffic, &floor.traffic) else {
+            panic!("Poisson traffic expected");
+        };
+        assert_eq!(m.mix.only, None);
+        assert_eq!(f.mix.only, Some(class));
+        assert_eq!(m.stream_fraction, f.stream_fraction);
+        assert_eq!(mixed.seed_of, floor.seed_of, "the same schedule");
+    }
+    let (Traffic::Poisson(whole), Traffic::Poisson(streamed)) = (
+        &routing("noisy-tenant-whole").traffic,
+        &routing("noisy-tenant").traffic,
+    ) else {
+        panic!("Poisson traffic expected");
+    };
+    assert_eq!(
+        (whole.stream_fraction, streamed.stream_fraction),
+        (0.0, 1.0)
+    );
+}
+
 // --- Prefix cache: the blocks of a running request. ---
 
 /// A running request's blocks are in use (in vLLM they are its KV cache and cannot be evicted):

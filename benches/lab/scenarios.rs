@@ -205,6 +205,18 @@ pub fn all() -> Vec<Scenario> {
         noisy_tenant_engine_alone(),
         priority_engine(),
         priority_engine_alone(),
+        noisy_tenant_floor(),
+        noisy_tenant_whole(),
+        noisy_tenant_whole_floor(),
+        priority_floor(),
+        priority_whole(),
+        priority_whole_floor(),
+        noisy_tenant_engine_floor(),
+        noisy_tenant_engine_whole(),
+        noisy_tenant_engine_whole_floor(),
+        priority_engine_floor(),
+        priority_engine_whole(),
+        priority_engine_whole_floor(),
         prefix(),
         prefix_session(),
         long_context(),
@@ -607,6 +619,133 @@ fn priority_alone() -> Scenario {
         models: "The baseline of priority: its high requests alone (the same schedule with the normal requests left out, 30% of the replicas' capacity), their latency on replicas that are not overloaded.",
         kind: Kind::Routing(Box::new(priority_routing(Some("high")))),
     }
+}
+
+// --- The floors of the tenant and band scenarios, and their non-streamed forms. ---
+//
+// A request that runs in a full batch is slower than one that runs alone, whatever the router
+// does. A `-floor` scenario sends the class that matters (tenant b, the high band) alone, on
+// replicas whose every step is timed as a full batch (`SimConfig::full_batch`): what its
+// requests take when the replicas are kept full by others and nothing of theirs waits. Its
+// numbers are the floor the mixed scenario's are stated against. A `-whole` scenario is the
+// mixed one with every answer non-streamed (its head at its end, as vLLM sends it).
+
+/// `routing` on replicas timed as full batches.
+fn at_floor(mut routing: Routing) -> Routing {
+    routing.engine.full_batch = true;
+    routing
+}
+
+/// `routing` with every answer non-streamed.
+fn whole(mut routing: Routing) -> Routing {
+    if let Traffic::Poisson(poisson) = &mut routing.traffic {
+        poisson.stream_fraction = 0.0;
+    }
+    routing
+}
+
+fn routing_scenario(name: &'static str, models: &'static str, routing: Routing) -> Scenario {
+    Scenario {
+        name,
+        models,
+        kind: Kind::Routing(Box::new(routing)),
+    }
+}
+
+fn noisy_tenant_floor() -> Scenario {
+    routing_scenario(
+        "noisy-tenant-floor",
+        "The floor of noisy-tenant: its tenant b alone (the same requests at the same times) on replicas whose every step is timed as a full batch.",
+        at_floor(noisy_tenant_routing(Some("b"))),
+    )
+}
+
+fn noisy_tenant_whole() -> Scenario {
+    routing_scenario(
+        "noisy-tenant-whole",
+        "noisy-tenant with every answer non-streamed: the response head comes at the answer's end, so no first byte tells the router a request has started. What matters: b's latency against noisy-tenant-whole-floor.",
+        whole(noisy_tenant_routing(None)),
+    )
+}
+
+fn noisy_tenant_whole_floor() -> Scenario {
+    routing_scenario(
+        "noisy-tenant-whole-floor",
+        "The floor of noisy-tenant-whole: its tenant b alone, non-streamed, on replicas timed as full batches.",
+        whole(at_floor(noisy_tenant_routing(Some("b")))),
+    )
+}
+
+fn priority_floor() -> Scenario {
+    routing_scenario(
+        "priority-floor",
+        "The floor of priority: its high requests alone on replicas whose every step is timed as a full batch.",
+        at_floor(priority_routing(Some("high"))),
+    )
+}
+
+fn priority_whole() -> Scenario {
+    routing_scenario(
+        "priority-whole",
+        "priority with every answer non-streamed. What matters: the high requests' latency against priority-whole-floor.",
+        whole(priority_routing(None)),
+    )
+}
+
+fn priority_whole_floor() -> Scenario {
+    routing_scenario(
+        "priority-whole-floor",
+        "The floor of priority-whole: its high requests alone, non-streamed, on replicas timed as full batches.",
+        whole(at_floor(priority_routing(Some("high")))),
+    )
+}
+
+fn noisy_tenant_engine_floor() -> Scenario {
+    routing_scenario(
+        "noisy-tenant-engine-floor",
+        "The floor of noisy-tenant-engine: its tenant b alone on replicas of 64 sequences whose every step is timed as a full batch.",
+        at_floor(noisy_tenant_engine_routing(Some("b"))),
+    )
+}
+
+fn noisy_tenant_engine_whole() -> Scenario {
+    routing_scenario(
+        "noisy-tenant-engine-whole",
+        "noisy-tenant-engine with every answer non-streamed. What matters: b's latency against noisy-tenant-engine-whole-floor.",
+        whole(noisy_tenant_engine_routing(None)),
+    )
+}
+
+fn noisy_tenant_engine_whole_floor() -> Scenario {
+    routing_scenario(
+        "noisy-tenant-engine-whole-floor",
+        "The floor of noisy-tenant-engine-whole: its tenant b alone, non-streamed, on replicas timed as full batches.",
+        whole(at_floor(noisy_tenant_engine_routing(Some("b")))),
+    )
+}
+
+fn priority_engine_floor() -> Scenario {
+    routing_scenario(
+        "priority-engine-floor",
+        "The floor of priority-engine: its high requests alone on replicas of 64 sequences whose every step is timed as a full batch.",
+        at_floor(priority_engine_routing(Some("high"))),
+    )
+}
+
+fn priority_engine_whole() -> Scenario {
+    routing_scenario(
+        "priority-engine-whole",
+        "priority-engine with every answer non-streamed. What matters: the high requests' latency against priority-engine-whole-floor.",
+        whole(priority_engine_routing(None)),
+    )
+}
+
+fn priority_engine_whole_floor() -> Scenario {
+    routing_scenario(
+        "priority-engine-whole-floor",
+        "The floor of priority-engine-whole: its high requests alone, non-streamed, on replicas timed as full batches.",
+        whole(at_floor(priority_engine_routing(Some("high")))),
+    )
 }
 
 /// An LLM engine at speed 1: decode steps of 20 ms + 0.1 ms per sequence in the batch (20 to
@@ -1090,8 +1229,13 @@ impl Routing {
                 workload.describe(self.workload_scale(mode))
             ),
         };
+        let floor = if self.engine.full_batch {
+            "; every step timed as a full batch (the floor)"
+        } else {
+            ""
+        };
         format!(
-            "{traffic}; SLO: {}",
+            "{traffic}{floor}; SLO: {}",
             self.slo.scaled(self.time_compression(mode)).describe()
         )
     }

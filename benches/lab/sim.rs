@@ -22,6 +22,10 @@
 //! - [`Batching::Stepped`]: one engine loop steps every running request together, with chunked
 //!   prefill, so a prefill in progress slows the replica's decodes (see [`engine`]).
 //!
+//! With `full_batch` on, every step is timed as if every slot were decoding: one request alone
+//! takes what it takes in a batch kept full by others (the floor of the tenant and band
+//! scenarios).
+//!
 //! With the per-token costs and the KV limit off (the default), per-request batching, every slot
 //! busy and one request of `t` tokens takes `(prefill_ms + t × (step_ms + step_per_batch_ms ×
 //! slots)) / speed` milliseconds, and the replica finishes `slots` requests per such period:
@@ -140,6 +144,10 @@ pub struct SimConfig {
     /// whole answer's document, and as a last event before `[DONE]` in a stream (vLLM with
     /// `--enable-force-include-usage`).
     pub usage: bool,
+    /// Every decode step is timed as if every slot were decoding (and, stepped, the prompt
+    /// chunks get the token budget a full batch leaves): a request's time in a batch kept full
+    /// by others, the physics floor the tenant and band scenarios are measured against.
+    pub full_batch: bool,
 }
 
 /// How the requests holding a slot are timed.
@@ -177,6 +185,7 @@ impl Default for SimConfig {
             seed: 1,
             faults: Faults::default(),
             usage: false,
+            full_batch: false,
         }
     }
 }
@@ -867,7 +876,11 @@ impl SimState {
         }
         self.remember(&ask.prompt, 0, admission);
         for index in 0..ask.max_tokens {
-            let batch = self.stats.decoding.load(Ordering::SeqCst);
+            let batch = if self.config.full_batch {
+                self.config.slots
+            } else {
+                self.stats.decoding.load(Ordering::SeqCst)
+            };
             deadline += self.config.step(batch);
             tokio::time::sleep_until(deadline).await;
             if self.config.faults.close_after_tokens == Some(index) {

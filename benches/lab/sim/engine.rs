@@ -161,7 +161,11 @@ impl Engine {
     /// Assigns this step's prompt chunks and returns how long the step takes.
     fn plan_step(&mut self) -> std::time::Duration {
         let config = &self.state.config;
-        let decodes = self.running.iter().filter(|s| s.prefill_left == 0).count();
+        let mut decodes = self.running.iter().filter(|s| s.prefill_left == 0).count();
+        if config.full_batch {
+            // Timed as a full batch: every slot decoding, whatever runs here.
+            decodes = decodes.max(config.slots);
+        }
         let mut budget = u64::from(self.token_budget)
             .saturating_sub(decodes as u64)
             .max(1);

@@ -9,7 +9,6 @@ use super::cost::{Fleet, relative_cost};
 use super::score::Demand;
 use super::{LoadScore, Rank, Slot};
 use crate::backend::Backend;
-use crate::prompt::Prompt;
 use crate::strategies::{Candidates, Pick, RequestInfo};
 
 /// How many times faster (in relative cost) a full backend must be than the chosen one for a
@@ -97,9 +96,7 @@ impl LoadScore {
         if demand.prompt_tokens == 0 {
             return None;
         }
-        let matched = |backend: &Backend| {
-            Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
-        };
+        let matched = |backend: &Backend| demand.matched_tokens(backend);
         let chosen_matched = matched(chosen);
         let least = AFFINITY_SHARE * demand.prompt_tokens as f64;
         let mut best: Option<(f64, usize)> = None;
@@ -165,11 +162,7 @@ impl LoadScore {
             return None;
         }
         let end = |backend: &Backend, rank: Rank, relative: f64, full: bool| {
-            let matched = if demand.prompt_tokens == 0 {
-                0
-            } else {
-                Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
-            };
+            let matched = demand.matched_tokens(backend);
             let uncached = demand.prompt_tokens.saturating_sub(matched);
             // On a full backend, the work it holds shares its slots with this request.
             let ahead = if full {

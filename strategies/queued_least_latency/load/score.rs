@@ -171,6 +171,15 @@ impl<'r> Demand<'r> {
 }
 
 impl Demand<'_> {
+    /// The prompt tokens `backend`'s prefix index says it holds (0 for a request without a
+    /// prompt).
+    pub(super) fn matched_tokens(&self, backend: &Backend) -> u64 {
+        if self.prompt_tokens == 0 {
+            return 0;
+        }
+        Prompt::blocks_tokens(backend.prefixes().matched_blocks(self.blocks))
+    }
+
     /// Whether the guards apply to this pick.
     pub(super) fn is_guarded(&self) -> bool {
         self.bound.is_some()
@@ -258,11 +267,7 @@ impl LoadScore {
         if in_flight > 0 && !((in_flight as f64) + 1.0 <= limit && ramp) {
             return None;
         }
-        let matched = if demand.prompt_tokens == 0 {
-            0
-        } else {
-            Prompt::blocks_tokens(backend.prefixes().matched_blocks(demand.blocks))
-        };
+        let matched = demand.matched_tokens(backend);
         // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]).
         if demand.ceilings
             && in_flight > 0

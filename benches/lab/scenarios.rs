@@ -188,7 +188,7 @@ pub struct Overhead {
 
 /// Every scenario, in report order.
 pub fn all() -> Vec<Scenario> {
-    vec![
+    let mut all = vec![
         hetero(),
         homog(),
         burst_scaleup(),
@@ -205,18 +205,13 @@ pub fn all() -> Vec<Scenario> {
         noisy_tenant_engine_alone(),
         priority_engine(),
         priority_engine_alone(),
-        noisy_tenant_floor(),
-        noisy_tenant_whole(),
-        noisy_tenant_whole_floor(),
-        priority_floor(),
-        priority_whole(),
-        priority_whole_floor(),
-        noisy_tenant_engine_floor(),
-        noisy_tenant_engine_whole(),
-        noisy_tenant_engine_whole_floor(),
-        priority_engine_floor(),
-        priority_engine_whole(),
-        priority_engine_whole_floor(),
+    ];
+    all.extend(FLOOR_FORMS.iter().map(|&(name, models, routing)| Scenario {
+        name,
+        models,
+        kind: Kind::Routing(Box::new(routing())),
+    }));
+    all.extend([
         prefix(),
         prefix_session(),
         long_context(),
@@ -224,7 +219,8 @@ pub fn all() -> Vec<Scenario> {
         trace_conversation(),
         trace_synthetic(),
         overhead(),
-    ]
+    ]);
+    all
 }
 
 fn replicas(speeds: &[f64]) -> Vec<Replica> {
@@ -644,109 +640,72 @@ fn whole(mut routing: Routing) -> Routing {
     routing
 }
 
-fn routing_scenario(name: &'static str, models: &'static str, routing: Routing) -> Scenario {
-    Scenario {
-        name,
-        models,
-        kind: Kind::Routing(Box::new(routing)),
-    }
-}
+/// A scenario given by its name, what it models and its routing.
+type Form = (&'static str, &'static str, fn() -> Routing);
 
-fn noisy_tenant_floor() -> Scenario {
-    routing_scenario(
+/// The floors and non-streamed forms.
+const FLOOR_FORMS: [Form; 12] = [
+    (
         "noisy-tenant-floor",
         "The floor of noisy-tenant: its tenant b alone (the same requests at the same times) on replicas whose every step is timed as a full batch.",
-        at_floor(noisy_tenant_routing(Some("b"))),
-    )
-}
-
-fn noisy_tenant_whole() -> Scenario {
-    routing_scenario(
+        || at_floor(noisy_tenant_routing(Some("b"))),
+    ),
+    (
         "noisy-tenant-whole",
         "noisy-tenant with every answer non-streamed: the response head comes at the answer's end, so no first byte tells the router a request has started. What matters: b's latency against noisy-tenant-whole-floor.",
-        whole(noisy_tenant_routing(None)),
-    )
-}
-
-fn noisy_tenant_whole_floor() -> Scenario {
-    routing_scenario(
+        || whole(noisy_tenant_routing(None)),
+    ),
+    (
         "noisy-tenant-whole-floor",
         "The floor of noisy-tenant-whole: its tenant b alone, non-streamed, on replicas timed as full batches.",
-        whole(at_floor(noisy_tenant_routing(Some("b")))),
-    )
-}
-
-fn priority_floor() -> Scenario {
-    routing_scenario(
+        || whole(at_floor(noisy_tenant_routing(Some("b")))),
+    ),
+    (
         "priority-floor",
         "The floor of priority: its high requests alone on replicas whose every step is timed as a full batch.",
-        at_floor(priority_routing(Some("high"))),
-    )
-}
-
-fn priority_whole() -> Scenario {
-    routing_scenario(
+        || at_floor(priority_routing(Some("high"))),
+    ),
+    (
         "priority-whole",
         "priority with every answer non-streamed. What matters: the high requests' latency against priority-whole-floor.",
-        whole(priority_routing(None)),
-    )
-}
-
-fn priority_whole_floor() -> Scenario {
-    routing_scenario(
+        || whole(priority_routing(None)),
+    ),
+    (
         "priority-whole-floor",
         "The floor of priority-whole: its high requests alone, non-streamed, on replicas timed as full batches.",
-        whole(at_floor(priority_routing(Some("high")))),
-    )
-}
-
-fn noisy_tenant_engine_floor() -> Scenario {
-    routing_scenario(
+        || whole(at_floor(priority_routing(Some("high")))),
+    ),
+    (
         "noisy-tenant-engine-floor",
         "The floor of noisy-tenant-engine: its tenant b alone on replicas of 64 sequences whose every step is timed as a full batch.",
-        at_floor(noisy_tenant_engine_routing(Some("b"))),
-    )
-}
-
-fn noisy_tenant_engine_whole() -> Scenario {
-    routing_scenario(
+        || at_floor(noisy_tenant_engine_routing(Some("b"))),
+    ),
+    (
         "noisy-tenant-engine-whole",
         "noisy-tenant-engine with every answer non-streamed. What matters: b's latency against noisy-tenant-engine-whole-floor.",
-        whole(noisy_tenant_engine_routing(None)),
-    )
-}
-
-fn noisy_tenant_engine_whole_floor() -> Scenario {
-    routing_scenario(
+        || whole(noisy_tenant_engine_routing(None)),
+    ),
+    (
         "noisy-tenant-engine-whole-floor",
         "The floor of noisy-tenant-engine-whole: its tenant b alone, non-streamed, on replicas timed as full batches.",
-        whole(at_floor(noisy_tenant_engine_routing(Some("b")))),
-    )
-}
-
-fn priority_engine_floor() -> Scenario {
-    routing_scenario(
+        || whole(at_floor(noisy_tenant_engine_routing(Some("b")))),
+    ),
+    (
         "priority-engine-floor",
         "The floor of priority-engine: its high requests alone on replicas of 64 sequences whose every step is timed as a full batch.",
-        at_floor(priority_engine_routing(Some("high"))),
-    )
-}
-
-fn priority_engine_whole() -> Scenario {
-    routing_scenario(
+        || at_floor(priority_engine_routing(Some("high"))),
+    ),
+    (
         "priority-engine-whole",
         "priority-engine with every answer non-streamed. What matters: the high requests' latency against priority-engine-whole-floor.",
-        whole(priority_engine_routing(None)),
-    )
-}
-
-fn priority_engine_whole_floor() -> Scenario {
-    routing_scenario(
+        || whole(priority_engine_routing(None)),
+    ),
+    (
         "priority-engine-whole-floor",
         "The floor of priority-engine-whole: its high requests alone, non-streamed, on replicas timed as full batches.",
-        whole(at_floor(priority_engine_routing(Some("high")))),
-    )
-}
+        || whole(at_floor(priority_engine_routing(Some("high")))),
+    ),
+];
 
 /// An LLM engine at speed 1: decode steps of 20 ms + 0.1 ms per sequence in the batch (20 to
 /// 46 ms a token from 1 to 256 sequences), prefill 0.05 ms per uncached prompt token (20,000

@@ -88,6 +88,7 @@ fn policy_of(
     let config = &settings.config;
     ProxyPolicy {
         retry: config.retry.clone(),
+        retry_rules: proxy::RetryPolicy::new(&config.retry),
         buffer_budget: Arc::new(Semaphore::new(
             config.retry.max_buffered_bytes.div_ceil(1024),
         )),

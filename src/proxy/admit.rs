@@ -12,7 +12,7 @@ use http::{Method, Request};
 use tokio::time::Instant;
 
 use super::ProxyPolicy;
-use super::answer::Answer;
+use super::answer::RouterAnswer;
 use super::retry::{Attempted, Ending};
 use crate::access_log;
 use crate::balancer::{Admission, Balancer, Lease};
@@ -89,36 +89,48 @@ impl Admitted {
 /// Refuses a `CONNECT` and reads the body into memory when it is small enough to be sent
 /// again; or says what the client gets instead. The only phase of admission that waits.
 pub(super) async fn receive(
-    request: Request<ClientBody>,
+    parts: &Parts,
+    body: ClientBody,
     policy: &ProxyPolicy,
     seen: &mut Observation,
-) -> Result<(Parts, RequestBody), Answer> {
-    if request.method() == Method::CONNECT {
-        return Err(Answer::connect_not_allowed());
+) -> Result<RequestBody, RouterAnswer> {
+    if parts.method == Method::CONNECT {
+        return Err(RouterAnswer::ConnectNotAllowed);
     }
-    let (parts, body) = request.into_parts();
     let body = RequestBody::read(body, policy.retry.body_limit, &policy.buffer_budget)
         .await
-        .map_err(|error| Answer::body_failure(BodyFailure::of(&*error)))?;
+        .map_err(|error| RouterAnswer::BodyFailure(BodyFailure::of(&*error)))?;
     if let Some(log) = seen.log.as_mut() {
         log.bytes_in(body.is_replayable().then(|| body.prefix().len() as u64));
     }
-    Ok((parts, body))
+    Ok(body)
 }
 
-/// Admits a received request: reads its admission and prepares its head.
+/// Admits a received request: reads its admission and prepares its head (see
+/// [`RequestHead::prepare`]).
 pub(super) fn admit(
     balancer: &Balancer,
     policy: &ProxyPolicy,
-    (parts, body): (Parts, RequestBody),
-    fields: Option<FieldLines>,
+    mut parts: Parts,
+    body: RequestBody,
+    mut fields: Option<FieldLines>,
     client: &ForwardedFor,
     seen: &mut Observation,
 ) -> Admitted {
     let generation = policy.retry.is_generation(&parts.method, parts.uri.path());
     let (info, admission) = admission_of(balancer, &parts, fields.as_ref(), &body);
     note_admission(seen, &info, admission);
-    let head = prepare_head(parts, fields, client, &body, seen);
+    // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
+    // it can be set.
+    if seen.span.is_some() {
+        if let Some(lines) = fields.take() {
+            parts.headers = lines.to_map();
+        }
+    }
+    let mut head = RequestHead::prepare(parts, fields, client);
+    if !body.is_replayable() {
+        send_chunked(&mut head);
+    }
     Admitted {
         ask: Ask {
             info,
@@ -163,35 +175,18 @@ fn note_admission(seen: &mut Observation, info: &RequestInfo, admission: Admissi
     }
 }
 
-/// The head every attempt writes (see [`RequestHead::prepare`]).
-fn prepare_head(
-    mut parts: Parts,
-    fields: Option<FieldLines>,
-    client: &ForwardedFor,
-    body: &RequestBody,
-    seen: &Observation,
-) -> RequestHead {
-    // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
-    // it can be set.
-    let fields = match fields {
-        Some(lines) if seen.span.is_some() => {
-            parts.headers = lines.to_map();
-            None
-        }
-        fields => fields,
-    };
-    let mut head = RequestHead::prepare(parts, fields, client);
+/// A streamed body (not kept for replay) of unknown length goes out chunked, whatever the
+/// method: the head says so when its fields are a map (the HTTP/1 client adds this itself when
+/// it writes lines).
+fn send_chunked(head: &mut RequestHead) {
     if let HeadFields::Map(headers) = &mut head.fields {
-        if !body.is_replayable() && !headers.contains_key(header::CONTENT_LENGTH) {
-            // A streamed body of unknown length goes out chunked, whatever the method (the
-            // HTTP/1 client adds this itself when it writes lines).
+        if !headers.contains_key(header::CONTENT_LENGTH) {
             headers.insert(
                 header::TRANSFER_ENCODING,
                 HeaderValue::from_static("chunked"),
             );
         }
     }
-    head
 }
 
 /// The access log record and server span of a request that arrived now (whichever is on).

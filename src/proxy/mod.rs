@@ -36,24 +36,26 @@ use crate::balancer::Balancer;
 use crate::body::ClientBody;
 use crate::forwarding::ForwardedFor;
 use crate::h1::FieldLines;
-use crate::observed::{Observation, ResponseBody};
+use crate::observed::ResponseBody;
 use crate::retry_budget::RetryBudget;
 use crate::traces::Traces;
 use crate::upstream::UpstreamClient;
-use admit::{Admitted, admit, observe, receive};
-use answer::{Answer, stream_back};
+use admit::{admit, observe, receive};
+use answer::RouterAnswer;
 use attempt::{classify, dispatch, send};
 use pick::{Tries, pick};
-use retry::{Decision, RetryPolicy, Stop};
+use retry::{Decision, Stop};
 
 pub use attempt::retry_after_value;
-pub use retry::RetryConfig;
+pub use retry::{RetryConfig, RetryPolicy};
 
 /// How requests are proxied: what retries may do, and what the response says of the decision.
 #[derive(Debug, Clone)]
 pub struct ProxyPolicy {
     /// The `[retry]` section.
     pub retry: RetryConfig,
+    /// Its retry rules ([`RetryPolicy::new`]), made once rather than for each request.
+    pub retry_rules: RetryPolicy,
     /// KiB of request bodies all requests together may keep in memory
     /// (`retry.max_buffered_bytes`).
     pub buffer_budget: Arc<Semaphore>,
@@ -74,77 +76,74 @@ pub struct ProxyPolicy {
 /// A connect failure (the backend saw nothing) or a busy answer (429, or 503 with
 /// `Retry-After`) is retried on another backend for any method; any other failure only for
 /// idempotent methods, and a generation request (a `POST` on `retry.generation_paths`) after a
-/// reset or a 5xx head of `retry.generation_statuses`. Only bodies kept in memory (at most `body_limit`) are sent again, never
-/// more than `retry.max_attempts` in all, and failure retries draw on the shared retry budget
-/// (the rules: [`retry`]).
-pub async fn proxy(
-    balancer: &Arc<Balancer>,
+/// reset or a 5xx head of `retry.generation_statuses`. Only bodies kept in memory (at most
+/// `body_limit`) are sent again, never more than `retry.max_attempts` in all, and failure
+/// retries draw on the shared retry budget (the rules: [`retry`]).
+///
+/// After admission, attempt after attempt (pick, dispatch, send, classify) until the retry
+/// decision says an attempt's ending is the client's answer.
+///
+/// Not an `async fn`: its future would keep the request and its fields twice (an `async fn`
+/// moves its arguments into its body), and the loop is the future's own, so that the response
+/// it returns is not moved out of one more future.
+pub fn proxy<'a>(
+    balancer: &'a Arc<Balancer>,
     policy: Arc<ProxyPolicy>,
     request: Request<ClientBody>,
     fields: Option<FieldLines>,
-    client: &ForwardedFor,
-) -> Response<ResponseBody> {
+    client: &'a ForwardedFor,
+) -> impl Future<Output = Response<ResponseBody>> + 'a {
     let mut seen = observe(&policy, &request, fields.as_ref());
-    let answer = match receive(request, &policy, &mut seen).await {
-        Ok(received) => {
-            let mut admitted = admit(balancer, &policy, received, fields, client, &mut seen);
-            forward(balancer, &policy, &mut admitted, &mut seen).await
-        }
-        Err(refused) => refused,
-    };
-    stream_back(seen, answer)
-}
-
-/// Sends an admitted request, attempt after attempt (pick, dispatch, send, classify), until the
-/// retry decision says an attempt's ending is the client's answer.
-async fn forward(
-    balancer: &Arc<Balancer>,
-    policy: &ProxyPolicy,
-    request: &mut Admitted,
-    seen: &mut Observation,
-) -> Answer {
-    let retry = RetryPolicy::new(&policy.retry);
-    let budget = &policy.retry_budget;
-    budget.deposit();
-    let mut tries = Tries::default();
-    for number in 1..=policy.retry.max_attempts {
-        let lease = match pick(balancer, &request.ask, &tries, seen, budget).await {
-            Ok(lease) => lease,
-            Err(answer) => return answer,
+    let (parts, body) = request.into_parts();
+    async move {
+        let body = match receive(&parts, body, &policy, &mut seen).await {
+            Ok(body) => body,
+            Err(refused) => return refused.respond(seen),
         };
-        let span = dispatch(
-            balancer,
-            &request.ask.info,
-            &mut request.head,
-            &lease,
-            number,
-            seen,
-            tries.take_reason(),
-        );
-        let backend = Arc::clone(lease.backend());
-        let queued = request.queued(&lease);
-        let last = retry.is_last(number, request.body.is_replayable());
-        let Some(body) = request.body.for_attempt() else {
-            return Answer::body_already_sent();
-        };
-        let sent = send(&policy.client, &lease, &mut request.head, body, last).await;
-        let ended = classify(sent, lease);
-        let attempted = request.attempted(ended.ending(), ended.status(), number);
-        let decision = retry.decide(&attempted, || budget.try_withdraw());
-        if let Some(span) = span {
-            ended.trace(*span, decision);
-        }
-        match decision {
-            Decision::Retry(reason) => tries.retried(reason, ended.set_aside(), backend),
-            Decision::Stop(stop) => {
-                count_stop(balancer, stop);
-                let idle_timeout = policy.client.config().idle_timeout;
-                return Answer::of(ended, backend.addr(), queued, idle_timeout);
+        let mut request = admit(balancer, &policy, parts, body, fields, client, &mut seen);
+        let retry = &policy.retry_rules;
+        let budget = &policy.retry_budget;
+        budget.deposit();
+        let mut tries = Tries::default();
+        for number in 1..=policy.retry.max_attempts {
+            let lease = match pick(balancer, &request.ask, &tries, &mut seen, budget).await {
+                Ok(lease) => lease,
+                Err(refused) => return refused.respond(seen),
+            };
+            let span = dispatch(
+                balancer,
+                &request.ask.info,
+                &mut request.head,
+                &lease,
+                number,
+                &mut seen,
+                tries.take_reason(),
+            );
+            let backend = Arc::clone(lease.backend());
+            let queued = request.queued(&lease);
+            let last = retry.is_last(number, request.body.is_replayable());
+            let Some(body) = request.body.for_attempt() else {
+                return RouterAnswer::BodyAlreadySent.respond(seen);
+            };
+            let sent = send(&policy.client, &lease, &mut request.head, body, last).await;
+            let ended = classify(sent, lease);
+            let attempted = request.attempted(ended.ending(), ended.status(), number);
+            let decision = retry.decide(&attempted, || budget.try_withdraw());
+            if let Some(span) = span {
+                ended.trace(*span, decision);
+            }
+            match decision {
+                Decision::Retry(reason) => tries.retried(reason, ended.set_aside(), backend),
+                Decision::Stop(stop) => {
+                    count_stop(balancer, stop);
+                    let idle_timeout = policy.client.config().idle_timeout;
+                    return answer::of(ended, backend, queued, idle_timeout, seen);
+                }
             }
         }
+        // The loop returns on its last attempt.
+        RouterAnswer::NoAttemptLeft.respond(seen)
     }
-    // The loop returns on its last attempt.
-    Answer::no_attempt_left()
 }
 
 /// Counts a retry the budget refused (`custom_router_retry_budget_exhausted_total`).

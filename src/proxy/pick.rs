@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::admit::Ask;
-use super::answer::Answer;
+use super::answer::RouterAnswer;
 use crate::backend::{Backend, ErrorKind};
 use crate::balancer::{Balancer, Lease, Rejection};
 use crate::metrics::RetryReason;
@@ -46,10 +46,10 @@ impl Tries {
 
     /// The client's answer when a retry found no backend left to try: the last failure, or a
     /// busy refusal when every backend tried answered busy (not a refusal of the router's).
-    fn exhausted(&self) -> Answer {
+    fn exhausted(&self) -> RouterAnswer {
         match &self.last_failure {
-            Some((kind, backend)) => Answer::failure(*kind, backend.addr()),
-            None => Answer::rejection(Rejection::Busy),
+            Some((kind, backend)) => RouterAnswer::Failure(*kind, Arc::clone(backend)),
+            None => RouterAnswer::Rejection(Rejection::Busy),
         }
     }
 }
@@ -61,7 +61,7 @@ pub(super) async fn pick(
     tries: &Tries,
     seen: &mut Observation,
     budget: &RetryBudget,
-) -> Result<Lease, Answer> {
+) -> Result<Lease, RouterAnswer> {
     if let Some(span) = seen.span.as_mut() {
         span.queue_started();
     }
@@ -88,6 +88,6 @@ pub(super) async fn pick(
     match admitted {
         Ok(Some(lease)) => Ok(lease),
         Ok(None) => Err(tries.exhausted()),
-        Err(rejection) => Err(Answer::rejection(rejection)),
+        Err(rejection) => Err(RouterAnswer::Rejection(rejection)),
     }
 }

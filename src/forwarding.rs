@@ -169,10 +169,12 @@ pub(crate) enum HeadFields {
 
 impl RequestHead {
     /// Prepares the head of a client request received from `client`, its fields kept as the
-    /// lines it sent when there are `fields` (the map is then empty).
+    /// lines it sent when there are `fields` (the map is then empty). The method, and the map
+    /// or the lines, are taken out of `parts` and `fields`: they stay where the caller keeps
+    /// them rather than being moved in.
     pub fn prepare(
-        parts: http::request::Parts,
-        fields: Option<FieldLines>,
+        parts: &mut http::request::Parts,
+        fields: &mut Option<FieldLines>,
         client: &ForwardedFor,
     ) -> Self {
         let path_and_query = parts
@@ -180,7 +182,7 @@ impl RequestHead {
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        match fields {
+        match fields.take() {
             Some(lines) => {
                 let forwarded_for = client.appended_to(lines.captured(FORWARDED_FOR));
                 let forwarding = [
@@ -191,7 +193,7 @@ impl RequestHead {
                     ),
                 ];
                 Self {
-                    method: parts.method,
+                    method: std::mem::take(&mut parts.method),
                     path_and_query,
                     has_host: lines.has_host(),
                     fields: HeadFields::Lines { lines, forwarding },
@@ -202,29 +204,30 @@ impl RequestHead {
     }
 
     fn prepare_map(
-        mut parts: http::request::Parts,
+        parts: &mut http::request::Parts,
         path_and_query: PathAndQuery,
         client: &ForwardedFor,
     ) -> Self {
-        remove_hop_by_hop(&mut parts.headers);
-        let mut has_host = parts.headers.contains_key(header::HOST);
+        let mut headers = std::mem::take(&mut parts.headers);
+        remove_hop_by_hop(&mut headers);
+        let mut has_host = headers.contains_key(header::HOST);
         if !has_host {
             if let Some(authority) = parts.uri.authority() {
                 if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
-                    parts.headers.insert(header::HOST, host);
+                    headers.insert(header::HOST, host);
                     has_host = true;
                 }
             }
         }
-        append_forwarded_for(&mut parts.headers, client);
-        parts.headers.insert(
+        append_forwarded_for(&mut headers, client);
+        headers.insert(
             X_FORWARDED_PROTO,
             HeaderValue::from_static(FORWARDED_PROTO_VALUE),
         );
         Self {
-            method: parts.method,
+            method: std::mem::take(&mut parts.method),
             path_and_query,
-            fields: HeadFields::Map(parts.headers),
+            fields: HeadFields::Map(headers),
             has_host,
         }
     }
@@ -408,8 +411,8 @@ mod tests {
             true,
             false,
         );
-        let (parts, ()) = Request::new(()).into_parts();
-        let prepared = RequestHead::prepare(parts, Some(lines), &client);
+        let (mut parts, ()) = Request::new(()).into_parts();
+        let prepared = RequestHead::prepare(&mut parts, &mut Some(lines), &client);
         let addr: BackendAddr = "10.0.0.1:8000".parse().unwrap();
         let h1::client::OutgoingFields::Lines {
             lines, appended, ..

@@ -107,18 +107,19 @@ pub(super) async fn receive(
 }
 
 /// Admits a received request: reads its admission and prepares its head (see
-/// [`RequestHead::prepare`]).
+/// [`RequestHead::prepare`], which takes the method and the fields out of `parts` and
+/// `fields`).
 pub(super) fn admit(
     balancer: &Balancer,
     policy: &ProxyPolicy,
-    mut parts: Parts,
+    parts: &mut Parts,
     body: RequestBody,
-    mut fields: Option<FieldLines>,
+    fields: &mut Option<FieldLines>,
     client: &ForwardedFor,
     seen: &mut Observation,
 ) -> Admitted {
     let generation = policy.retry.is_generation(&parts.method, parts.uri.path());
-    let (info, admission) = admission_of(balancer, &parts, fields.as_ref(), &body);
+    let (info, admission) = admission_of(balancer, parts, fields.as_ref(), &body);
     note_admission(seen, &info, admission);
     // With traces on, each attempt sends its own `traceparent`: the fields go into a map, where
     // it can be set.

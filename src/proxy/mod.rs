@@ -90,17 +90,25 @@ pub fn proxy<'a>(
     balancer: &'a Arc<Balancer>,
     policy: Arc<ProxyPolicy>,
     request: Request<ClientBody>,
-    fields: Option<FieldLines>,
+    mut fields: Option<FieldLines>,
     client: &'a ForwardedFor,
 ) -> impl Future<Output = Response<ResponseBody>> + 'a {
     let mut seen = observe(&policy, &request, fields.as_ref());
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     async move {
         let body = match receive(&parts, body, &policy, &mut seen).await {
             Ok(body) => body,
             Err(refused) => return refused.respond(seen),
         };
-        let mut request = admit(balancer, &policy, parts, body, fields, client, &mut seen);
+        let mut request = admit(
+            balancer,
+            &policy,
+            &mut parts,
+            body,
+            &mut fields,
+            client,
+            &mut seen,
+        );
         let retry = &policy.retry_rules;
         let budget = &policy.retry_budget;
         budget.deposit();

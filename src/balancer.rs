@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use crate::backend::{Backend, BackendAddr, ErrorKind, InFlightWork};
 use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::prefix_index::PrefixIndex;
+use crate::prefix_index::{PrefixIndex, Recall};
 use crate::prompt::Prompt;
 use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, Pick, RequestInfo, Strategy};
 use crate::usage::Usage;
@@ -752,6 +752,7 @@ impl Balancer {
                 in_flight: lease.in_flight,
                 prompt_tokens: lease.prompt_tokens,
                 expected_cached: lease.prompt_tokens.saturating_sub(lease.work.prefill),
+                recall: lease.recall,
             },
         );
         self.metrics.request_duration.record(measured, &[]);
@@ -852,13 +853,10 @@ pub struct Finish {
     pub usage: Option<Usage>,
 }
 
-/// The prompt tokens `backend` is expected to prefill for `prompt`: those past the longest
-/// prefix its index holds. The prompt is recorded there: it is about to be sent to it.
-fn uncached_tokens(backend: &Backend, prompt: &Prompt) -> u64 {
-    let prefixes = backend.prefixes();
-    let matched = prefixes.matched_blocks(&prompt.blocks);
-    prefixes.record(&prompt.blocks);
-    u64::from(prompt.tokens).saturating_sub(Prompt::blocks_tokens(matched))
+/// What `backend`'s index held of `prompt`; the prompt is recorded there: it is about to be sent
+/// to it.
+fn recall(backend: &Backend, prompt: &Prompt) -> Recall {
+    backend.prefixes().record(&prompt.blocks)
 }
 
 /// The backend a pick chose, with what the strategy's [`Pick`] said of it.
@@ -900,6 +898,8 @@ pub struct Lease {
     /// The request's prompt tokens (0 without a prompt): its answer's usage is read, and what the
     /// index expected cached is the prompt less [`InFlightWork::prefill`].
     prompt_tokens: u64,
+    /// What the backend's index held of the prompt at dispatch.
+    recall: Recall,
 }
 
 impl std::fmt::Debug for Lease {
@@ -921,11 +921,13 @@ impl Lease {
             .prompt
             .as_ref()
             .map_or(0, |prompt| u64::from(prompt.tokens));
+        let recall = info
+            .prompt
+            .as_ref()
+            .map_or_else(Recall::default, |prompt| recall(&backend, prompt));
         let work = InFlightWork {
-            prefill: info
-                .prompt
-                .as_ref()
-                .map_or(0, |prompt| uncached_tokens(&backend, prompt)),
+            // The prompt past the longest prefix the index held.
+            prefill: prompt_tokens.saturating_sub(Prompt::blocks_tokens(recall.held)),
             output: u64::from(info.expected_output_tokens()),
         };
         backend.acquire_work(&work);
@@ -943,6 +945,7 @@ impl Lease {
             in_flight,
             past_limit,
             prompt_tokens,
+            recall,
         }
     }
 
@@ -996,6 +999,8 @@ impl Lease {
                     seconds,
                     streamed: self.streamed,
                     uncached_tokens: self.work.prefill,
+                    prompt_tokens: self.prompt_tokens,
+                    recall: self.recall,
                     queued_tokens: self.queued_tokens,
                     in_flight: self.in_flight,
                     dispatched_at: self.dispatched_at,

@@ -8,9 +8,9 @@
 //!
 //! # Layout and memory
 //!
-//! A map from block hash to slot (a `HashMap<u64, u32>` with a pass-through hasher, the hashes
-//! being uniformly random already) and a `Vec` of slots `{hash, prev, next}` linked by index into
-//! the LRU list: no allocation per entry, and both containers stop growing at the capacity (the
+//! A map from block hash to slot and last use (a `HashMap<u64, (u32, u32)>` with a pass-through
+//! hasher, the hashes being uniformly random already) and a `Vec` of slots `{hash, prev, next}`
+//! linked by index into the LRU list: no allocation per entry, and both containers stop growing at the capacity (the
 //! map is rebuilt in place when evictions have left it no free bucket, rather than doubled). A
 //! full index holds about 50 bytes per block: 16 bytes per slot, and 16 bytes plus one control
 //! byte per map bucket with up to twice as many buckets as blocks. At the default capacity,
@@ -26,6 +26,17 @@
 //! collisions). [`PrefixIndex::matched_blocks`] therefore finds the longest cached prefix with a
 //! binary search: one lookup when the first block is missing (a backend that never saw the
 //! prompt), two when the whole chain is there, about log2(n) otherwise.
+//!
+//! # Reach
+//!
+//! The index holds up to its configured capacity, but an engine's cache may keep much less. A
+//! strategy that learns how much the engine keeps sets the index's *reach*
+//! ([`PrefixIndex::set_reach_blocks`]): a block counts as held only while fewer than that many
+//! new blocks were recorded since it was last used, its *age*. Blocks past the reach stay
+//! recorded (up to the capacity) as *stale*: when the engine turns out to have held them, their
+//! age says how far the reach should go. [`PrefixIndex::record`] returns what it held of the
+//! prompt, with the ages, as a [`Recall`]. Ages grow with the depth in a chain (every use of a
+//! block uses the blocks before it too), so the held blocks of a prompt are a prefix of it.
 //!
 //! The state is behind a `std::sync::Mutex`, held for one call and never across an await.
 
@@ -64,6 +75,7 @@ impl PrefixIndex {
             capacity_blocks,
             lru: Mutex::new(Lru {
                 limit: capacity_blocks,
+                reach: capacity_blocks as u64,
                 ..Lru::default()
             }),
         }
@@ -74,76 +86,67 @@ impl PrefixIndex {
         self.capacity_blocks
     }
 
-    /// The blocks it holds at most now: the configured capacity, or less once
-    /// [`PrefixIndex::set_limit_blocks`] sized it like the backend's cache.
-    pub fn limit_blocks(&self) -> usize {
-        self.lock().limit
+    /// The reach in blocks: a recorded block counts as held while fewer new blocks than this
+    /// were recorded since its last use. The configured capacity until
+    /// [`PrefixIndex::set_reach_blocks`] sizes it like the backend's cache.
+    pub fn reach_blocks(&self) -> u64 {
+        self.lock().reach
     }
 
-    /// Holds at most `blocks` from now on (at least one, at most the configured capacity),
-    /// evicting the least recently used at once when it holds more: a strategy that learned how
-    /// much the backend's own cache keeps sizes the index like it. A larger limit keeps more from
-    /// now on (what was evicted is not recovered).
-    pub fn set_limit_blocks(&self, blocks: usize) {
+    /// Counts a block as held only while fewer than `blocks` new blocks (at least one, at most
+    /// the configured capacity) were recorded since its last use: a strategy that learned how
+    /// much the backend's own cache keeps sizes the index like it. Nothing is evicted: a longer
+    /// reach holds again what is still recorded.
+    pub fn set_reach_blocks(&self, blocks: u64) {
         if self.capacity_blocks == 0 {
             return;
         }
-        let limit = blocks.clamp(1, self.capacity_blocks);
-        let mut lru = self.lock();
-        lru.limit = limit;
-        while lru.map.len() > limit {
-            lru.evict_tail();
-        }
+        self.lock().reach = blocks.clamp(1, self.capacity_blocks as u64);
     }
 
-    /// How many leading blocks of `blocks` are recorded and not evicted: the longest prefix of
-    /// the prompt this backend probably has cached.
+    /// How many leading blocks of `blocks` are held (recorded, within the reach): the longest
+    /// prefix of the prompt this backend probably has cached.
     pub fn matched_blocks(&self, blocks: &[u64]) -> usize {
-        let n = blocks.len();
-        if n == 0 || self.capacity_blocks == 0 {
+        if self.capacity_blocks == 0 {
             return 0;
         }
         let lru = self.lock();
-        if !lru.map.contains_key(&blocks[0]) {
-            return 0;
-        }
-        if lru.map.contains_key(&blocks[n - 1]) {
-            return n;
-        }
-        // Block 0 is present and block n - 1 is not: the first missing block is in 1..n.
-        let (mut lo, mut hi) = (1, n - 1);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if lru.map.contains_key(&blocks[mid]) {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        lo
+        lru.prefix(blocks, |age| age <= lru.reach).0
     }
 
     /// Records that a prompt with these blocks was routed here: they become the most recently
     /// used, the first block most of all. Beyond the capacity, only the leading blocks stay.
-    pub fn record(&self, blocks: &[u64]) {
+    /// Returns what the index held of the prompt before.
+    pub fn record(&self, blocks: &[u64]) -> Recall {
         if self.capacity_blocks == 0 {
-            return;
+            return Recall::default();
         }
         let mut lru = self.lock();
-        // Touching the blocks past the limit would only have them evicted by the ones before.
-        let blocks = &blocks[..blocks.len().min(lru.limit)];
+        let (held, held_age) = lru.prefix(blocks, |age| age <= lru.reach);
+        let (recorded, stale_age) = lru.prefix(blocks, |_| true);
+        let stale = recorded.saturating_sub(held);
+        let recall = Recall {
+            held,
+            held_age,
+            stale,
+            stale_age: if stale == 0 { 0 } else { stale_age },
+        };
+        // Touching the blocks past the capacity would only have them evicted by the ones before.
+        let blocks = &blocks[..blocks.len().min(self.capacity_blocks)];
         for &hash in blocks.iter().rev() {
             lru.touch(hash);
         }
+        recall
     }
 
-    /// Forgets every block (the backend restarted or left) and frees the memory; the limit
+    /// Forgets every block (the backend restarted or left) and frees the memory; the reach
     /// stays.
     pub fn forget(&self) {
         let mut lru = self.lock();
-        let limit = lru.limit;
+        let (limit, reach) = (lru.limit, lru.reach);
         *lru = Lru {
             limit,
+            reach,
             ..Lru::default()
         };
     }
@@ -165,7 +168,7 @@ impl PrefixIndex {
             capacity => (capacity * 8).div_ceil(7).next_power_of_two(),
         };
         let control = if buckets == 0 { 0 } else { buckets + 16 };
-        buckets * std::mem::size_of::<(u64, u32)>()
+        buckets * std::mem::size_of::<(u64, Entry)>()
             + control
             + lru.slots.capacity() * std::mem::size_of::<Slot>()
     }
@@ -190,6 +193,21 @@ impl std::fmt::Debug for PrefixIndex {
             .field("len_blocks", &self.len_blocks())
             .finish()
     }
+}
+
+/// What an index held of a prompt when it was recorded ([`PrefixIndex::record`]). Ages are in
+/// new blocks recorded since the block's last use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Recall {
+    /// Leading blocks held (recorded, within the reach): what the backend was expected to have
+    /// cached.
+    pub held: usize,
+    /// The age of the deepest held block (0 when none was).
+    pub held_age: u64,
+    /// Blocks after those still recorded, but past the reach.
+    pub stale: usize,
+    /// The age of the deepest stale block (0 when none was).
+    pub stale_age: u64,
 }
 
 /// Hashes a `u64` to itself: block hashes are uniformly random already.
@@ -220,16 +238,27 @@ struct Slot {
     next: u32,
 }
 
+/// A recorded block's slot and the [`Lru::clock`] at its last use.
+#[derive(Clone, Copy)]
+struct Entry {
+    slot: u32,
+    touched: u32,
+}
+
 /// The LRU list: `head` is the most recently used slot, `tail` the next to be evicted.
 struct Lru {
-    map: HashMap<u64, u32, BuildHasherDefault<PassThrough>>,
+    map: HashMap<u64, Entry, BuildHasherDefault<PassThrough>>,
     slots: Vec<Slot>,
-    /// Slots a lowered limit emptied, used again before the list grows.
-    free: Vec<u32>,
     head: u32,
     tail: u32,
-    /// The blocks held at most.
+    /// The blocks recorded at most.
     limit: usize,
+    /// [`PrefixIndex::reach_blocks`].
+    reach: u64,
+    /// New blocks recorded so far, wrapping: a block's age is the clock now less its
+    /// `touched`, which no recorded block's age reaches (a block is evicted by the time as many
+    /// new blocks as the capacity, at most `u32::MAX`, were recorded after it).
+    clock: u32,
 }
 
 impl Default for Lru {
@@ -237,74 +266,115 @@ impl Default for Lru {
         Self {
             map: HashMap::default(),
             slots: Vec::new(),
-            free: Vec::new(),
             head: NIL,
             tail: NIL,
             limit: 0,
+            reach: 0,
+            clock: 0,
         }
     }
 }
 
 impl Lru {
-    /// Removes the least recently used block; its slot becomes free.
-    fn evict_tail(&mut self) {
-        let slot = self.tail;
-        if slot == NIL {
-            return;
+    /// The age of `hash` if it is recorded.
+    fn age(&self, hash: u64) -> Option<u64> {
+        let entry = self.map.get(&hash)?;
+        Some(u64::from(self.clock.wrapping_sub(entry.touched)))
+    }
+
+    /// The longest prefix of `blocks` recorded with an age that `keeps`, and the age of its
+    /// deepest block (0 for none). Ages grow with the depth, so that is a binary search: one
+    /// lookup when the first block fails, two when the last one passes, about log2(n) otherwise.
+    fn prefix(&self, blocks: &[u64], keeps: impl Fn(u64) -> bool) -> (usize, u64) {
+        let kept = |hash: u64| self.age(hash).filter(|&age| keeps(age));
+        let n = blocks.len();
+        let Some(first) = blocks.first().and_then(|&hash| kept(hash)) else {
+            return (0, 0);
+        };
+        if let Some(age) = kept(blocks[n - 1]) {
+            return (n, age);
         }
-        self.unlink(slot);
-        self.map.remove(&self.slots[slot as usize].hash);
-        self.free.push(slot);
+        // Block 0 passes and block n - 1 does not: the first one failing is in 1..n.
+        let (mut lo, mut hi, mut deepest) = (1, n - 1, first);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match kept(blocks[mid]) {
+                Some(age) => (lo, deepest) = (mid + 1, age),
+                None => hi = mid,
+            }
+        }
+        // `lo` moved last past block lo - 1: `deepest` is its age (block 0's if it never moved).
+        (lo, deepest)
     }
 
     /// Makes `hash` the most recently used block, evicting the least recently used one when
     /// the limit is reached.
     fn touch(&mut self, hash: u64) {
-        if let Some(&slot) = self.map.get(&hash) {
+        if let Some(entry) = self.map.get_mut(&hash) {
+            entry.touched = self.clock;
+            let slot = entry.slot;
             if slot != self.head {
                 self.unlink(slot);
                 self.push_front(slot);
             }
             return;
         }
+        self.clock = self.clock.wrapping_add(1);
         let slot = if self.map.len() < self.limit {
-            if let Some(slot) = self.free.pop() {
-                self.slots[slot as usize].hash = hash;
-                slot
-            } else {
-                if self.slots.len() == self.slots.capacity() {
-                    // Grow by doubling, but never past the limit.
-                    let more = self.slots.len().max(16).min(self.limit - self.slots.len());
-                    self.slots.reserve_exact(more);
-                }
-                self.slots.push(Slot {
-                    hash,
-                    prev: NIL,
-                    next: NIL,
-                });
-                (self.slots.len() - 1) as u32
+            if self.slots.len() == self.slots.capacity() {
+                // Grow by doubling, but never past the limit.
+                let more = self.slots.len().max(16).min(self.limit - self.slots.len());
+                self.slots.reserve_exact(more);
             }
+            self.slots.push(Slot {
+                hash,
+                prev: NIL,
+                next: NIL,
+            });
+            (self.slots.len() - 1) as u32
         } else {
             let slot = self.tail;
             self.unlink(slot);
             self.map.remove(&self.slots[slot as usize].hash);
             self.slots[slot as usize].hash = hash;
             if self.map.len() == self.map.capacity() {
-                // Removals leave tombstones only a rehash clears, and at this load the map's
-                // own rehash would double it: it is rebuilt in place instead, at its size.
-                // The blocks are those on the list (a lowered limit leaves free slots behind).
-                self.map.clear();
-                let mut at = self.head;
-                while at != NIL {
-                    let slot = self.slots[at as usize];
-                    self.map.insert(slot.hash, at);
-                    at = slot.next;
-                }
+                self.rebuild_map();
             }
             slot
         };
-        self.map.insert(hash, slot);
+        self.map.insert(
+            hash,
+            Entry {
+                slot,
+                touched: self.clock,
+            },
+        );
         self.push_front(slot);
+    }
+
+    /// Removals leave tombstones only a rehash clears, and at full load the map's own rehash
+    /// would double it: it is rebuilt in place instead, at its size, from the list. Each
+    /// block's last use is kept in its slot's `prev` meanwhile (the list is walked by `next`),
+    /// and the links restored as the map is filled again.
+    fn rebuild_map(&mut self) {
+        let mut at = self.head;
+        while at != NIL {
+            let slot = self.slots[at as usize];
+            self.slots[at as usize].prev = self.map[&slot.hash].touched;
+            at = slot.next;
+        }
+        self.map.clear();
+        let (mut at, mut prev) = (self.head, NIL);
+        while at != NIL {
+            let slot = self.slots[at as usize];
+            let entry = Entry {
+                slot: at,
+                touched: slot.prev,
+            };
+            self.map.insert(slot.hash, entry);
+            self.slots[at as usize].prev = prev;
+            (prev, at) = (at, slot.next);
+        }
     }
 
     fn unlink(&mut self, slot: u32) {
@@ -454,40 +524,58 @@ mod tests {
     }
 
     #[test]
-    fn a_lowered_limit_evicts_the_least_recently_used_and_a_raised_one_keeps_more() {
+    fn the_reach_holds_blocks_by_age_and_a_longer_reach_holds_them_again() {
         let index = PrefixIndex::new(100 * TPB);
+        assert_eq!(index.reach_blocks(), 100);
         let (old, new) = (chain(11, 40), chain(12, 40));
-        index.record(&old);
+        assert_eq!(index.record(&old), Recall::default());
         index.record(&new);
-        assert_eq!(index.len_blocks(), 80);
-        index.set_limit_blocks(50);
-        assert_eq!((index.limit_blocks(), index.len_blocks()), (50, 50));
-        // The older prompt's tail went first; the newer prompt is whole.
+        // The older prompt's first block is 40 new blocks old, its last 79.
+        index.set_reach_blocks(50);
+        assert_eq!(index.reach_blocks(), 50);
         assert_eq!(index.matched_blocks(&new), 40);
-        assert_eq!(index.matched_blocks(&old), 10);
-        // Recording past the limit evicts, and the freed slots are used again.
-        let third = chain(13, 30);
-        index.record(&third);
-        assert_eq!(index.len_blocks(), 50);
-        assert_eq!(index.matched_blocks(&third), 30);
-        assert_eq!(index.matched_blocks(&new), 20);
-        // Many more prompts through the lowered index: it never holds more than its limit and
-        // still matches what it holds.
-        for seed in 100..160 {
-            index.record(&chain(seed, 17));
-            assert!(index.len_blocks() <= 50);
+        assert_eq!(index.matched_blocks(&old), 11);
+        // Recording it tells what was held, what was stale and how old each was; all of it is
+        // held again after.
+        assert_eq!(
+            index.record(&old),
+            Recall {
+                held: 11,
+                held_age: 50,
+                stale: 29,
+                stale_age: 79,
+            }
+        );
+        assert_eq!(index.matched_blocks(&old), 40);
+        // Nothing was evicted: a longer reach holds the newer prompt's stale blocks again.
+        for seed in 100..103 {
+            index.record(&chain(seed, 10));
         }
-        assert_eq!(index.matched_blocks(&chain(159, 17)), 17);
-        // A raised limit is bounded by the configured capacity, and keeps more from now on.
-        index.set_limit_blocks(1_000);
-        assert_eq!(index.limit_blocks(), 100);
-        for seed in 200..205 {
-            index.record(&chain(seed, 20));
-        }
-        assert_eq!(index.len_blocks(), 100);
-        assert_eq!(index.matched_blocks(&chain(200, 20)), 20);
+        assert_eq!(index.matched_blocks(&new), 21);
+        index.set_reach_blocks(1_000);
+        assert_eq!(index.reach_blocks(), 100);
+        // (Its last 10 blocks went at the capacity.)
+        assert_eq!(index.matched_blocks(&new), 30);
+        let recall = index.record(&new);
+        assert_eq!((recall.held, recall.stale), (30, 0));
+        assert_eq!(index.matched_blocks(&new), 40);
+        // Recording again what was just recorded adds no age: only new blocks count.
+        let index = PrefixIndex::new(100 * TPB);
+        index.record(&old);
+        index.record(&chain(13, 5));
+        index.record(&old);
+        assert_eq!(index.record(&old).held_age, 0);
+        assert_eq!(index.record(&chain(14, 7)).held_age, 0);
+        assert_eq!(index.record(&old).held_age, 7);
+        index.set_reach_blocks(0);
+        assert_eq!(index.reach_blocks(), 1);
         index.forget();
-        assert_eq!((index.len_blocks(), index.limit_blocks()), (0, 100));
+        assert_eq!((index.len_blocks(), index.reach_blocks()), (0, 1));
+        assert_eq!(index.capacity_blocks(), 100);
+        // A prompt's deeper blocks are older by the new blocks recorded after them, its own
+        // included: with a reach of 1, its first two blocks are held.
+        index.record(&old);
+        assert_eq!(index.matched_blocks(&old), 2);
     }
 
     #[test]

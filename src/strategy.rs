@@ -17,6 +17,7 @@ use http::Method;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
+pub use crate::prefix_index::Recall;
 use crate::prompt::Prompt;
 pub use crate::usage::Usage;
 
@@ -391,6 +392,9 @@ pub struct Outcome {
     /// Of those, the tokens the router's prefix index expected the backend to hold when the
     /// request was dispatched ([`Backend::prefixes`]).
     pub expected_cached: u64,
+    /// What the backend's prefix index held of the prompt when the request was dispatched, in
+    /// blocks, with their ages (all 0 without a prompt).
+    pub recall: Recall,
 }
 
 /// The first byte of an answer, as reported to [`Strategy::on_first_byte`].
@@ -404,6 +408,10 @@ pub struct FirstByte {
     /// Prompt tokens the backend was expected to prefill: the prompt less the prefix the core's
     /// index expected it to hold ([`Backend::prefixes`]).
     pub uncached_tokens: u64,
+    /// The request's prompt tokens as the router estimates them (0 without a prompt).
+    pub prompt_tokens: u64,
+    /// What the backend's prefix index held of the prompt ([`Outcome::recall`]).
+    pub recall: Recall,
     /// Uncached prompt tokens of other requests that were waiting for their first byte on the
     /// backend when this one was dispatched ([`Backend::prefill_in_flight`]).
     pub queued_tokens: u64,

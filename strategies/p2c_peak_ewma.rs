@@ -395,6 +395,7 @@ mod tests {
             in_flight: 1,
             prompt_tokens: 0,
             expected_cached: 0,
+            recall: Default::default(),
         }
     }
 

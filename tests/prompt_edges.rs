@@ -108,6 +108,7 @@ fn outcome(latency: f64, failed: bool) -> Outcome {
         in_flight: 1,
         prompt_tokens: 0,
         expected_cached: 0,
+        recall: Default::default(),
     }
 }
 

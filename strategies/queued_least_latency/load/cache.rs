@@ -1,38 +1,52 @@
-//! A backend's prefix cache, as learned: the router's prefix index of the backend sized like
-//! what the engine keeps.
+//! A backend's prefix cache, as learned: how long the engine keeps a prompt's blocks, read off
+//! what it found of the prompts the router's index expected it to hold.
 //!
 //! The index records what the router sent to a backend and predicts, for a new prompt, how much
 //! of it the backend holds. Its configured capacity (`prefix_index.capacity_tokens`) is a bound,
-//! not a guess of the engine's cache: an engine whose answers report `usage` with
-//! `prompt_tokens_details.cached_tokens` tells, answer by answer, how much it found, and the
-//! index's limit follows:
+//! not a guess of the engine's cache. What sizes it like the engine is its *reach*: a block
+//! counts as held while fewer new blocks than the reach were recorded since its last use (its
+//! age). Each judged answer moves the reach half-way (on a log scale) toward the age it proved:
 //!
-//! - **a prediction it did not find** (the index expected at least a fifth of the prompt, the
-//!   engine found less than half of that): the index remembers more than the engine keeps, and
-//!   its limit is lowered by [`SHRINK`];
-//! - **more found than predicted** (by a fifth of the prompt or more): the index forgot what the
-//!   engine keeps, and its limit is raised by [`GROW`], up to the configured capacity;
-//! - anything else confirms the index as it is.
+//! - **a prediction the engine did not find** (the index expected at least a fifth of the
+//!   prompt, the engine found less than half of that): the engine no longer kept blocks of the
+//!   deepest held one's age, and a longer reach moves toward that age;
+//! - **stale blocks found** (the index had a fifth of the prompt or more recorded past its
+//!   reach, and the engine found at least half of it beyond the prediction): the engine kept
+//!   blocks that old, and a shorter reach moves toward their age;
+//! - anything else confirms the reach as it is.
 //!
-//! Shares of the prompt are compared, the router's estimate of the prompt's tokens on one side
-//! and the engine's count on the other, so that the two ways of counting tokens need not agree.
-//! An answer without `cached_tokens` teaches nothing here: the index keeps its limit, the
-//! configured capacity unless something taught otherwise.
+//! Half-way steps make a reach that was far off (the 1M-token default against a cache of 60k)
+//! right within a few answers, while one misjudged answer moves it by a square root, not to
+//! the age it showed.
+//!
+//! What the engine found is read from the answer's `usage`
+//! (`prompt_tokens_details.cached_tokens`) when it says; shares of the prompt are compared, the
+//! router's estimate of the prompt's tokens on one side and the engine's count on the other, so
+//! that the two ways of counting tokens need not agree. A backend whose answers do not say is
+//! judged by its streams' first bytes instead: the first byte of a request was expected after
+//! the backend's fixed delay plus the prefill of what the index did not hold (`ttfb.rs`), and
+//! each prefill second beyond that, at the backend's prefill rate, is prompt the engine did not
+//! hold (each second before it, prompt it held beyond the prediction). Queueing inside the
+//! replica also delays a first byte, so only first bytes of a backend using less than half of
+//! its limit judge its cache ([`learn_cache_from_first_byte`]). Once a backend's answers have
+//! reported `cached_tokens`, they alone judge it.
 
+use std::sync::atomic::Ordering;
+
+use super::Slot;
 use crate::backend::Backend;
 use crate::prompt::Prompt;
-use crate::strategies::Outcome;
+use crate::strategies::{FirstByte, Outcome, Recall};
 
-/// A prediction this large a share of the prompt is judged against what the engine found.
+/// A prediction (or stale part) this large a share of the prompt is judged against what the
+/// engine found.
 const JUDGED_SHARE: f64 = 0.2;
-/// The limit's factor after a prediction the engine did not find.
-const SHRINK: f64 = 0.9;
-/// The limit's factor after the engine found more than predicted.
-const GROW: f64 = 1.25;
-/// The fewest tokens the index is lowered to: a few prompts.
-const MIN_TOKENS: u64 = 8_192;
+/// How far the reach moves toward an age judged, as a power: 0.5 is the geometric mean.
+const STEP: f64 = 0.5;
+/// The shortest reach: a few prompts.
+const MIN_REACH_TOKENS: u64 = 8_192;
 
-/// Sizes `backend`'s prefix index by what its answer says the engine found cached.
+/// Judges `backend`'s prefix index by what its answer says the engine found cached.
 pub(super) fn learn_cache(backend: &Backend, outcome: &Outcome) {
     let Some(usage) = outcome.usage else { return };
     let Some(found) = usage.cached_tokens else {
@@ -41,19 +55,67 @@ pub(super) fn learn_cache(backend: &Backend, outcome: &Outcome) {
     if outcome.failed || outcome.prompt_tokens == 0 || usage.prompt_tokens == 0 {
         return;
     }
-    let expected = outcome.expected_cached as f64 / outcome.prompt_tokens as f64;
+    backend
+        .strategy_slot::<Slot>()
+        .reports_cached
+        .store(true, Ordering::Relaxed);
     let found = found as f64 / usage.prompt_tokens as f64;
+    judge(backend, outcome.prompt_tokens, outcome.recall, found);
+}
+
+/// Judges `backend`'s prefix index by a stream's first byte, when its answers do not say what
+/// the engine found: it came after `first_byte.seconds` where `expected` seconds were expected
+/// with the index's prediction, the backend prefilling `rate` seconds a token. The caller
+/// passes only first bytes of a backend that was not congested.
+pub(super) fn learn_cache_from_first_byte(
+    backend: &Backend,
+    first_byte: &FirstByte,
+    expected: f64,
+    rate: f64,
+) {
+    let prompt = first_byte.prompt_tokens;
+    if prompt == 0 || rate <= 0.0 || !expected.is_finite() {
+        return;
+    }
+    if backend
+        .strategy_slot::<Slot>()
+        .reports_cached
+        .load(Ordering::Relaxed)
+    {
+        return;
+    }
+    let prompt = prompt as f64;
+    let predicted = (prompt - first_byte.uncached_tokens as f64).max(0.0);
+    let found = (predicted - (first_byte.seconds - expected) / rate).clamp(0.0, prompt);
+    judge(
+        backend,
+        first_byte.prompt_tokens,
+        first_byte.recall,
+        found / prompt,
+    );
+}
+
+/// Moves `backend`'s index reach toward the age a prompt of `prompt_tokens` proved, the engine
+/// having found `found` of it (a share), the index having held `recall` of it.
+fn judge(backend: &Backend, prompt_tokens: u64, recall: Recall, found: f64) {
+    let share = |blocks: usize| {
+        Prompt::blocks_tokens(blocks).min(prompt_tokens) as f64 / prompt_tokens as f64
+    };
+    let held = share(recall.held);
+    let stale = share(recall.held + recall.stale) - held;
     let index = backend.prefixes();
-    let limit = index.limit_blocks() as f64;
-    let factor = if expected >= JUDGED_SHARE && found < 0.5 * expected {
-        SHRINK
-    } else if found >= expected + JUDGED_SHARE {
-        GROW
+    let reach = index.reach_blocks();
+    let target = if held >= JUDGED_SHARE && found < 0.5 * held {
+        recall.held_age.min(reach)
+    } else if stale >= JUDGED_SHARE && found >= held + 0.5 * stale {
+        recall.stale_age.max(reach)
     } else {
         return;
     };
-    let floor = MIN_TOKENS.div_ceil(Prompt::blocks_tokens(1)) as f64;
-    index.set_limit_blocks((limit * factor).max(floor).ceil() as usize);
+    let floor = MIN_REACH_TOKENS.div_ceil(Prompt::blocks_tokens(1)) as f64;
+    let target = (target as f64).max(floor);
+    let reach = reach as f64;
+    index.set_reach_blocks((reach * (target / reach).powf(STEP)).round() as u64);
 }
 
 #[cfg(test)]
@@ -61,7 +123,15 @@ mod tests {
     use super::*;
     use crate::strategies::Usage;
 
-    fn answer(prompt: u64, expected: u64, found: Option<u64>) -> Outcome {
+    /// Tokens in `blocks` blocks.
+    fn tokens(blocks: usize) -> u64 {
+        Prompt::blocks_tokens(blocks)
+    }
+
+    /// An answer to a prompt of 100 blocks, of which the index held `recall`, the engine
+    /// reporting `found` blocks' worth cached (or nothing).
+    fn answer(recall: Recall, found: Option<usize>) -> Outcome {
+        let prompt = tokens(100);
         Outcome {
             latency: 1.0,
             failed: false,
@@ -71,40 +141,110 @@ mod tests {
             usage: Some(Usage {
                 prompt_tokens: prompt,
                 completion_tokens: 10,
-                cached_tokens: found,
+                cached_tokens: found.map(tokens),
             }),
             in_flight: 1,
             prompt_tokens: prompt,
-            expected_cached: expected,
+            expected_cached: tokens(recall.held),
+            recall,
+        }
+    }
+
+    fn held(blocks: usize, age: u64) -> Recall {
+        Recall {
+            held: blocks,
+            held_age: age,
+            ..Recall::default()
+        }
+    }
+
+    fn stale(held: usize, blocks: usize, age: u64) -> Recall {
+        Recall {
+            held,
+            held_age: 10,
+            stale: blocks,
+            stale_age: age,
         }
     }
 
     #[test]
-    fn the_index_shrinks_to_what_the_engine_keeps_and_grows_when_it_keeps_more() {
+    fn misses_bring_the_reach_to_the_age_the_engine_no_longer_holds_within_a_few_answers() {
         let backend = Backend::new("10.0.9.1:80".parse().unwrap());
         let index = backend.prefixes();
-        let full = index.limit_blocks();
-        // Predicted 3,000 of 4,000 tokens cached; the engine found 100: lowered by a tenth.
-        learn_cache(&backend, &answer(4_000, 3_000, Some(100)));
-        assert_eq!(index.limit_blocks(), (full as f64 * SHRINK).ceil() as usize);
-        // Predicted and found alike, or a small prediction: nothing changes.
-        let before = index.limit_blocks();
-        learn_cache(&backend, &answer(4_000, 3_000, Some(2_900)));
-        learn_cache(&backend, &answer(4_000, 400, Some(0)));
-        learn_cache(&backend, &answer(4_000, 3_000, None));
-        assert_eq!(index.limit_blocks(), before);
-        // Many misses: down to the floor, never below.
-        for _ in 0..200 {
-            learn_cache(&backend, &answer(4_000, 3_000, Some(0)));
+        let full = index.reach_blocks();
+        // Predicted 75 of 100 blocks, 400 blocks old; the engine found 2: half-way (on a log
+        // scale) toward 400.
+        learn_cache(&backend, &answer(held(75, 400), Some(2)));
+        let once = index.reach_blocks();
+        assert_eq!(once, ((full * 400) as f64).sqrt().round() as u64);
+        // Found as predicted, a small prediction, no count: nothing changes.
+        learn_cache(&backend, &answer(held(75, 400), Some(70)));
+        learn_cache(&backend, &answer(held(10, 400), Some(0)));
+        learn_cache(&backend, &answer(held(75, 400), None));
+        assert_eq!(index.reach_blocks(), once);
+        // A few more misses and the reach is at the age the engine no longer holds.
+        for _ in 0..8 {
+            learn_cache(&backend, &answer(held(75, 400), Some(0)));
         }
-        let floor = (MIN_TOKENS / Prompt::blocks_tokens(1)) as usize;
-        assert_eq!(index.limit_blocks(), floor);
-        // The engine found what the index had forgotten: raised, up to the configured capacity.
-        learn_cache(&backend, &answer(4_000, 0, Some(3_000)));
-        assert_eq!(index.limit_blocks(), (floor as f64 * GROW).ceil() as usize);
-        for _ in 0..100 {
-            learn_cache(&backend, &answer(4_000, 0, Some(3_000)));
+        assert!(
+            index.reach_blocks().abs_diff(400) <= 4,
+            "{}",
+            index.reach_blocks()
+        );
+        // Never below a few prompts.
+        for _ in 0..50 {
+            learn_cache(&backend, &answer(held(75, 0), Some(0)));
         }
-        assert_eq!(index.limit_blocks(), full);
+        let floor = MIN_REACH_TOKENS.div_ceil(tokens(1));
+        assert!(index.reach_blocks().abs_diff(floor) <= 1);
+        // The engine found stale blocks 1,000 old: the reach moves toward their age, and ends
+        // there, bounded by the capacity.
+        learn_cache(&backend, &answer(stale(10, 60, 1_000), Some(65)));
+        let raised = index.reach_blocks();
+        assert_eq!(raised, ((floor * 1_000) as f64).sqrt().round() as u64);
+        for _ in 0..20 {
+            learn_cache(&backend, &answer(stale(10, 60, 1_000), Some(70)));
+        }
+        assert!(index.reach_blocks().abs_diff(1_000) <= 2);
+        for _ in 0..40 {
+            learn_cache(&backend, &answer(stale(10, 60, u64::MAX / 2), Some(70)));
+        }
+        assert_eq!(index.reach_blocks(), full);
+        // A stale part the engine did not find says nothing.
+        learn_cache(&backend, &answer(stale(10, 60, 10), Some(12)));
+        assert_eq!(index.reach_blocks(), full);
+    }
+
+    /// A first byte of a prompt of 100 blocks of which the index held 75 (400 blocks old),
+    /// `late` prefill tokens' worth of seconds after the expected time.
+    fn judged_first_byte(backend: &Backend, late: f64) {
+        let rate = 1e-4;
+        let expected = 0.02 + tokens(25) as f64 * rate;
+        let first_byte = super::super::testing::first_byte(expected + late * rate, tokens(25), 0);
+        let first_byte = FirstByte {
+            prompt_tokens: tokens(100),
+            recall: held(75, 400),
+            ..first_byte
+        };
+        learn_cache_from_first_byte(backend, &first_byte, expected, rate);
+    }
+
+    #[test]
+    fn without_usage_first_bytes_judge_the_cache_by_the_prefill_they_took() {
+        let backend = Backend::new("10.0.9.2:80".parse().unwrap());
+        let index = backend.prefixes();
+        let full = index.reach_blocks();
+        // On time, or late by less than half the prediction: the engine held it.
+        judged_first_byte(&backend, 0.0);
+        judged_first_byte(&backend, tokens(30) as f64);
+        assert_eq!(index.reach_blocks(), full);
+        // The whole predicted prefix prefilled: the engine did not hold blocks that old.
+        judged_first_byte(&backend, tokens(75) as f64);
+        assert!(index.reach_blocks() < full);
+        // Once its answers report what the engine found, they alone judge.
+        let before = index.reach_blocks();
+        learn_cache(&backend, &answer(held(75, 400), Some(74)));
+        judged_first_byte(&backend, tokens(75) as f64);
+        assert_eq!(index.reach_blocks(), before);
     }
 }

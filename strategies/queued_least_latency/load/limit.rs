@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
+use super::cache::learn_cache_from_first_byte;
 use super::engine::engine_full;
 use super::ttfb::Expected;
 use super::{History, Learned, LoadScore, Slot};
@@ -86,16 +87,26 @@ impl LoadScore {
                 (n < u64::from(u32::MAX)).then_some(n + 1)
             });
         // A request sent past the limit on purpose ([`Self::overflow`]) was expected to wait
-        // for a slot: however late, its first byte says nothing new about the limit.
+        // for a slot: however late, its first byte says nothing new about the limit, nor about
+        // the cache. Nor does one sent to a backend using half of its limit or more: it may
+        // have waited inside the replica.
+        let mut judged = None;
         self.update(backend, |learned, _| {
             if first_byte.streamed && !first_byte.past_limit {
                 let limit = learned.limit;
-                self.learn_ttfb(learned, first_byte, busy);
+                let expected = self.learn_ttfb(learned, first_byte, busy);
+                let sent_to = first_byte.in_flight as f64;
+                if expected.known && (sent_to <= 1.0 || sent_to <= limit / 2.0) {
+                    judged = Some((expected.seconds, learned.prefill_rate));
+                }
                 if full {
                     learned.limit = learned.limit.min(limit);
                 }
             }
         });
+        if let Some((expected, rate)) = judged {
+            learn_cache_from_first_byte(backend, first_byte, expected, rate);
+        }
     }
 
     /// A stream's first byte after `first_byte.seconds`, with `busy` requests in flight on the
@@ -109,19 +120,25 @@ impl LoadScore {
     /// the last decrease. A late first byte of a request that tested the limit (it took the last
     /// slot the limit allowed, or it was clearly late) finds a [`Ceiling`]; a probe of a ceiling
     /// is judged by the stricter [`PROBE_TOLERANCE`].
-    fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) {
-        let ttfb = first_byte.seconds;
+    ///
+    /// Returns what the first byte was expected to take.
+    fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) -> Expected {
         let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
         state.history.streamed = true;
-        let Expected {
-            seconds: expected,
-            known,
-        } = state.expect_first_byte(ttfb, prefill, busy);
-        let tolerated = self.ttfb_tolerance * expected + self.ttfb_slack;
-        if !known {
+        let expected = state.expect_first_byte(first_byte.seconds, prefill, busy);
+        if expected.known {
+            self.judge_ttfb(state, first_byte, busy, expected.seconds);
+        } else {
             self.grow(state, busy);
-            return;
         }
+        expected
+    }
+
+    /// Judges a first byte against the `expected` seconds: the limit grows, or is lowered, or
+    /// finds a ceiling ([`Self::learn_ttfb`]).
+    fn judge_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64, expected: f64) {
+        let ttfb = first_byte.seconds;
+        let tolerated = self.ttfb_tolerance * expected + self.ttfb_slack;
         let count = first_byte.in_flight as f64;
         let ceiling = state.history.ceiling;
         // A probe: the request went at (or past) the ceiling's count once its hold was over.

@@ -30,7 +30,7 @@
 //!
 //! Each room's tests are beside it, in its own `tests` module.
 
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::time::Instant;
@@ -208,6 +208,9 @@ struct Slot {
     /// First bytes seen (any generation): with the finished requests, what the ramp-up room
     /// counts, so a replica streaming long answers gets room as its first tokens arrive.
     answered: AtomicU64,
+    /// Whether the backend's answers report the prompt tokens its engine found cached: then
+    /// they judge its prefix index, and first bytes no longer do (`cache.rs`).
+    reports_cached: AtomicBool,
     /// [`Learned::history`].
     history: Mutex<History>,
 }

@@ -87,6 +87,7 @@ pub(super) fn streamed(latency: f64, ttfb: f64) -> Outcome {
         in_flight: 1,
         prompt_tokens: 0,
         expected_cached: 0,
+        recall: Default::default(),
     }
 }
 
@@ -109,6 +110,8 @@ pub(super) fn first_byte(seconds: f64, uncached_tokens: u64, queued_tokens: u64)
         seconds,
         streamed: true,
         uncached_tokens,
+        prompt_tokens: uncached_tokens,
+        recall: Default::default(),
         queued_tokens,
         dispatched_at: Instant::now(),
         past_limit: false,

@@ -245,23 +245,23 @@ mod tests {
 
     #[test]
     fn when_the_guards_disagree_the_count_guard_is_kept() {
-        // Both replicas hold the tenant's prompt; their limit is 64 (a locality room of 16). A:
-        // 10 long answers (30,000 tokens of work, past the load guard's ~28,000); B: 60 short
-        // ones (6,000 tokens, but 60 requests, past the count guard's 55.05). No backend is
-        // within every guard: capacity comes first, and the request goes to A, where an engine
-        // has sequences to spare, not to B, whose lighter work would win the score.
+        // Both replicas hold the tenant's prompt. A: 10 long answers (10,000 tokens of work,
+        // past the load guard's 8,300); B: 30 short ones (3,000 tokens, but 30 requests, past
+        // the count guard's 25.55). No backend is within every guard: capacity comes first,
+        // and the request goes to A, where an engine has sequences to spare, not to B, whose
+        // lighter work would win the score.
         let set = vec![backend(16), backend(17)];
         let strategy = with_room_for_many(&set);
-        assert_eq!(strategy.limit(&set[0]), 64.0);
         let request = tenant_chat_cached_on(&set[0], "twelve");
         set[1]
             .prefixes()
             .record(&request.prompt.as_ref().unwrap().blocks);
-        decoding(&set[0], 10, 3_000);
-        decoding(&set[1], 60, 100);
+        decoding(&set[0], 10, 1_000);
+        decoding(&set[1], 30, 100);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
-        // With 40 (within the count guard's 44.05), B is within every guard and wins.
-        for _ in 0..20 {
+        // With 16 (within the count guard's 17.85 for a replica holding the prompt), B is
+        // within every guard and wins.
+        for _ in 0..14 {
             set[1].release_work(
                 &crate::backend::InFlightWork {
                     prefill: 0,

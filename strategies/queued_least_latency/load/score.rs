@@ -23,26 +23,12 @@ use crate::strategies::{Candidates, RequestInfo};
 /// prefill whatever the scale.
 const LOAD_SLACK: f64 = 2.0;
 /// Typical requests' work (the load guard) and requests (the count guard) a candidate holding
-/// part of the prompt may hold above its share, at the least, and at most as many again for
-/// `load_bound`'s multiple: one more than [`LOAD_SLACK`], the room of the others. With two, a
-/// tenant's home replica pushed past the guard spills its requests to replicas that must
-/// prefill its system prompt, which then draw more of them (`prefix`, in turn: cache hits
-/// 78-91 % with two, 88-93 % with three; p50 and p99 lower).
+/// part of the prompt may hold above its share, and at most as many again for `load_bound`'s
+/// multiple: one more than [`LOAD_SLACK`], the room of the others. With two, a tenant's home
+/// replica pushed past the guard spills its requests to replicas that must prefill its system
+/// prompt, which then draw more of them (`prefix`, in turn: cache hits 78-91 % with two,
+/// 88-93 % with three; p50 and p99 lower).
 const LOCALITY_SLACK: f64 = 3.0;
-/// The room above its share of a candidate holding part of the prompt, as a share of its
-/// concurrency limit, when that is more than [`LOCALITY_SLACK`] (from 13 sequences on). One
-/// more request costs an engine running a large batch one sequence's share of a step, while a
-/// miss has it prefill the prompt with every sequence of the batch stalled: with three
-/// requests of room, replicas of 128 sequences spread each tenant over all of them (`prefix`:
-/// cache hits 85 %, p50 4.18 s); a quarter of the limit keeps tenants home (93 %, 3.70 s; half
-/// of it: 92 %, 3.77 s). The limit itself still bounds what a replica holds.
-const LOCALITY_LIMIT_SHARE: f64 = 0.25;
-
-/// The room above its share of a candidate with a concurrency `limit` that holds part of the
-/// prompt, in requests (or typical requests' work).
-fn locality_slack(limit: f64) -> f64 {
-    LOCALITY_SLACK.max(LOCALITY_LIMIT_SHARE * limit)
-}
 
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
 /// before the first-byte guard passes it over: the prefills of a step or two are not a queue.
@@ -64,15 +50,14 @@ pub(super) struct Demand<'r> {
     pub(super) typical_output: f64,
     /// The load guard (bounded load) for a request with a prompt: how much work, weighted by
     /// relative cost, a candidate may already hold: its share of the work in flight with this
-    /// request added, plus [`locality_slack`] typical requests (for the candidates' mean
-    /// limit), plus `load_bound`'s multiple of
+    /// request added, plus [`LOCALITY_SLACK`] typical requests, plus `load_bound`'s multiple of
     /// the share above it up to as many again ([`guard_bound`]; the least loaded candidate is
     /// always within it). It applies to backends that hold part of the prompt: locality is what
     /// could pile up.
     bound: Option<f64>,
     /// The count guard's share: a candidate's equal share of the requests in flight with this
     /// one added. A candidate may already hold that many plus [`LOAD_SLACK`] requests, or
-    /// [`locality_slack`] when it holds part of the prompt, the load guard's room
+    /// [`LOCALITY_SLACK`] when it holds part of the prompt, the load guard's room
     /// ([`guard_bound`]). Work weighs a request by its answer's length, but an engine fills up
     /// by sequences and KV cache: many short answers past its share overflow it as surely as a
     /// few long ones.
@@ -154,7 +139,7 @@ impl<'r> Demand<'r> {
             guard_bound(
                 strategy.load_bound,
                 (work as f64 + output) / speed.max(f64::MIN_POSITIVE),
-                locality_slack(limits / count_f) * typical_output,
+                LOCALITY_SLACK * typical_output,
             )
         });
         let count_share = guarded.then(|| (in_flight + 1) as f64 / count_f);
@@ -298,7 +283,7 @@ impl LoadScore {
             return None;
         }
         let count_slack = if matched > 0 {
-            locality_slack(limit)
+            LOCALITY_SLACK
         } else {
             LOAD_SLACK
         };
@@ -462,38 +447,32 @@ mod tests {
     }
 
     #[test]
-    fn the_locality_room_is_three_requests_or_a_quarter_of_the_limit() {
-        // Small replicas (a limit of 10): three requests of room above the share, and 0.1 × the
-        // share up to three more (a multiple alone, 1.1 × 3.5 = 3.85, would leave none).
-        let small = vec![backend(16), backend(17)];
-        let strategy = with_initial_limit(10.0);
-        let request = tenant_chat_cached_on(&small[0], "three");
-        decoding(&small[0], 4, 200);
-        decoding(&small[1], 2, 200);
-        assert_eq!(strategy.pick(&request, (&small).into()), Some(Pick::at(0)));
-        // 9 against none: past the share (5) + 3 + 0.5, in requests and in work.
-        let small = vec![backend(18), backend(19)];
-        let request = tenant_chat_cached_on(&small[0], "three");
-        decoding(&small[0], 9, 200);
-        assert_eq!(strategy.pick(&request, (&small).into()), Some(Pick::at(1)));
-        // Replicas of 200 sequences: a quarter of the limit, 50 requests of room. 130 against
-        // 100 is within the share (115.5) + 50 + 11.55; three requests of room would have sent
-        // the tenant's request to the replica that must prefill its prompt.
-        let large = vec![backend(12), backend(13)];
-        let strategy = with_initial_limit(200.0);
-        let request = tenant_chat_cached_on(&large[0], "four");
-        decoding(&large[0], 130, 200);
-        decoding(&large[1], 100, 200);
-        assert_eq!(strategy.pick(&request, (&large).into()), Some(Pick::at(0)));
-        // 190 against 60 is past it (the share 125.5 + 50 + 12.55 = 188.05).
-        let large = vec![backend(14), backend(15)];
-        let request = tenant_chat_cached_on(&large[0], "four");
-        decoding(&large[0], 190, 200);
-        decoding(&large[1], 60, 200);
-        assert_eq!(strategy.pick(&request, (&large).into()), Some(Pick::at(1)));
-        // A request whose prompt neither holds goes to the less loaded.
-        let other = chat("A different tenant entirely. ", "hi");
-        assert_eq!(strategy.pick(&other, (&large).into()), Some(Pick::at(1)));
+    fn the_load_guard_allows_a_few_requests_above_the_share_whatever_the_scale() {
+        let set = vec![backend(12), backend(13)];
+        let strategy = with_initial_limit(1000.0);
+        for replica in &set {
+            for _ in 0..100 {
+                strategy.on_first_byte(replica, &first_byte(0.02, 0, 0));
+            }
+        }
+        let request = tenant_chat_cached_on(&set[0], "three");
+        // Few in flight: 4 against 2 is within the share (3.5) + 3 + 0.1 × the share, in
+        // requests and in work (a multiple alone, 1.1 × 3.5 = 3.85, would leave no room for
+        // the cached prefix).
+        decoding(&set[0], 4, 200);
+        decoding(&set[1], 2, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
+        // Hundreds in flight: 258 against 248 is within the share (253.5) + 3 + 3 (the
+        // multiple's part is capped at three requests, in count and in work, for the replica
+        // holding the prompt; a replica holding none of it has two and two, 257.5); 262
+        // against 248 is not. A multiple of 1.1 would let the cached engine hold 277, 30 more
+        // than its peer: past its capacity when the fleet is nearly full (engines of 256
+        // sequences).
+        decoding(&set[0], 254, 200);
+        decoding(&set[1], 246, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
+        decoding(&set[0], 4, 200);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
     }
 
     #[test]

@@ -751,7 +751,6 @@ impl Balancer {
                 usage: finish.usage,
                 in_flight: lease.in_flight,
                 prompt_tokens: lease.prompt_tokens,
-                expected_cached: lease.prompt_tokens.saturating_sub(lease.work.prefill),
                 recall: lease.recall,
             },
         );
@@ -895,8 +894,7 @@ pub struct Lease {
     in_flight: usize,
     /// Whether the pick sent it past the strategy's limit ([`Pick::past_limit`]).
     past_limit: bool,
-    /// The request's prompt tokens (0 without a prompt): its answer's usage is read, and what the
-    /// index expected cached is the prompt less [`InFlightWork::prefill`].
+    /// The request's prompt tokens (0 without a prompt): its answer's usage is read.
     prompt_tokens: u64,
     /// What the backend's index held of the prompt at dispatch.
     recall: Recall,

@@ -10,8 +10,9 @@
 //!
 //! A map from block hash to slot and last use (a `HashMap<u64, (u32, u32)>` with a pass-through
 //! hasher, the hashes being uniformly random already) and a `Vec` of slots `{hash, prev, next}`
-//! linked by index into the LRU list: no allocation per entry, and both containers stop growing at the capacity (the
-//! map is rebuilt in place when evictions have left it no free bucket, rather than doubled). A
+//! linked by index into the LRU list: no allocation per entry, and both containers stop growing
+//! at the capacity (the map is rebuilt in place when evictions have left it no free bucket,
+//! rather than doubled). A
 //! full index holds about 50 bytes per block: 16 bytes per slot, and 16 bytes plus one control
 //! byte per map bucket with up to twice as many buckets as blocks. At the default capacity,
 //! 16,384 blocks (1,048,576 tokens), that is about 800 KiB per backend; an index starts empty and
@@ -123,14 +124,18 @@ impl PrefixIndex {
         }
         let mut lru = self.lock();
         let (held, held_age) = lru.prefix(blocks, |age| age <= lru.reach);
-        let (recorded, stale_age) = lru.prefix(blocks, |_| true);
-        let stale = recorded.saturating_sub(held);
-        let recall = Recall {
+        let mut recall = Recall {
             held,
             held_age,
-            stale,
-            stale_age: if stale == 0 { 0 } else { stale_age },
+            ..Recall::default()
         };
+        // What is recorded past the reach, when not every block is held.
+        if held < blocks.len() {
+            let (recorded, stale_age) = lru.prefix(blocks, |_| true);
+            if recorded > held {
+                (recall.stale, recall.stale_age) = (recorded - held, stale_age);
+            }
+        }
         // Touching the blocks past the capacity would only have them evicted by the ones before.
         let blocks = &blocks[..blocks.len().min(self.capacity_blocks)];
         for &hash in blocks.iter().rev() {

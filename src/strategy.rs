@@ -389,9 +389,6 @@ pub struct Outcome {
     pub in_flight: usize,
     /// The request's prompt tokens as the router estimates them (0 without a prompt).
     pub prompt_tokens: u64,
-    /// Of those, the tokens the router's prefix index expected the backend to hold when the
-    /// request was dispatched ([`Backend::prefixes`]).
-    pub expected_cached: u64,
     /// What the backend's prefix index held of the prompt when the request was dispatched, in
     /// blocks, with their ages (all 0 without a prompt).
     pub recall: Recall,

@@ -394,7 +394,6 @@ mod tests {
             usage: None,
             in_flight: 1,
             prompt_tokens: 0,
-            expected_cached: 0,
             recall: Default::default(),
         }
     }

@@ -107,7 +107,6 @@ fn outcome(latency: f64, failed: bool) -> Outcome {
         usage: None,
         in_flight: 1,
         prompt_tokens: 0,
-        expected_cached: 0,
         recall: Default::default(),
     }
 }

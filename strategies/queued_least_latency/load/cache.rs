@@ -27,8 +27,8 @@
 //! the backend's fixed delay plus the prefill of what the index did not hold (`ttfb.rs`), and
 //! each prefill second beyond that, at the backend's prefill rate, is prompt the engine did not
 //! hold (each second before it, prompt it held beyond the prediction). Queueing inside the
-//! replica also delays a first byte, so only first bytes of a backend using less than half of
-//! its limit judge its cache ([`learn_cache_from_first_byte`]). Once a backend's answers have
+//! replica also delays a first byte, so only first bytes of requests sent to a backend using at
+//! most half of its limit judge its cache ([`learn_cache_from_first_byte`]). Once a backend's answers have
 //! reported `cached_tokens`, they alone judge it.
 
 use std::sync::atomic::Ordering;
@@ -145,7 +145,6 @@ mod tests {
             }),
             in_flight: 1,
             prompt_tokens: prompt,
-            expected_cached: tokens(recall.held),
             recall,
         }
     }

@@ -88,7 +88,7 @@ impl LoadScore {
             });
         // A request sent past the limit on purpose ([`Self::overflow`]) was expected to wait
         // for a slot: however late, its first byte says nothing new about the limit, nor about
-        // the cache. Nor does one sent to a backend using half of its limit or more: it may
+        // the cache. Nor does one sent to a backend using more than half of its limit: it may
         // have waited inside the replica.
         let mut judged = None;
         self.update(backend, |learned, _| {

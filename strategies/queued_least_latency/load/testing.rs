@@ -86,7 +86,6 @@ pub(super) fn streamed(latency: f64, ttfb: f64) -> Outcome {
         usage: None,
         in_flight: 1,
         prompt_tokens: 0,
-        expected_cached: 0,
         recall: Default::default(),
     }
 }

@@ -15,7 +15,11 @@
 //!   blocks that old, and a shorter reach moves toward their age;
 //! - anything else confirms the reach as it is.
 //!
-//! Half-way steps make a reach that was far off (the 1M-token default against a cache of 60k)
+//! The reach starts short, at a few prompts ([`start_reach`]), and is lengthened by what the
+//! engine proves it kept: a reach too long predicts prompts the engine no longer holds, and
+//! requests follow those predictions onto one replica, where queueing hides the misses that
+//! would correct it; a reach too short only costs locality until stale blocks are found.
+//! Half-way steps make a reach that was far off (a few prompts against a cache of 1M tokens)
 //! right within a few answers, while one misjudged answer moves it by a square root, not to
 //! the age it showed.
 //!
@@ -27,9 +31,10 @@
 //! the backend's fixed delay plus the prefill of what the index did not hold (`ttfb.rs`), and
 //! each prefill second beyond that, at the backend's prefill rate, is prompt the engine did not
 //! hold (each second before it, prompt it held beyond the prediction). Queueing inside the
-//! replica also delays a first byte, so only first bytes of requests sent to a backend using at
-//! most half of its limit judge its cache ([`learn_cache_from_first_byte`]). Once a backend's answers have
-//! reported `cached_tokens`, they alone judge it.
+//! replica only ever delays a first byte: an early one proves stale blocks held whatever the
+//! load, a late one proves a miss only for a request sent to a backend using at most half of
+//! its limit ([`learn_cache_from_first_byte`]). Once a backend's answers have reported
+//! `cached_tokens`, they alone judge it.
 
 use std::sync::atomic::Ordering;
 
@@ -43,8 +48,19 @@ use crate::strategies::{FirstByte, Outcome, Recall};
 const JUDGED_SHARE: f64 = 0.2;
 /// How far the reach moves toward an age judged, as a power: 0.5 is the geometric mean.
 const STEP: f64 = 0.5;
-/// The shortest reach: a few prompts.
+/// The shortest reach, and the first: a few prompts.
 const MIN_REACH_TOKENS: u64 = 8_192;
+
+/// Sets `backend`'s index reach to its start, the shortest: a backend the strategy has not
+/// learned yet is trusted to keep a few prompts, until its answers show more.
+pub(super) fn start_reach(backend: &Backend) {
+    backend.prefixes().set_reach_blocks(floor_blocks());
+}
+
+/// [`MIN_REACH_TOKENS`] in blocks.
+fn floor_blocks() -> u64 {
+    MIN_REACH_TOKENS.div_ceil(Prompt::blocks_tokens(1))
+}
 
 /// Judges `backend`'s prefix index by what its answer says the engine found cached.
 pub(super) fn learn_cache(backend: &Backend, outcome: &Outcome) {
@@ -60,18 +76,20 @@ pub(super) fn learn_cache(backend: &Backend, outcome: &Outcome) {
         .reports_cached
         .store(true, Ordering::Relaxed);
     let found = found as f64 / usage.prompt_tokens as f64;
-    judge(backend, outcome.prompt_tokens, outcome.recall, found);
+    judge(backend, outcome.prompt_tokens, outcome.recall, found, true);
 }
 
 /// Judges `backend`'s prefix index by a stream's first byte, when its answers do not say what
 /// the engine found: it came after `first_byte.seconds` where `expected` seconds were expected
-/// with the index's prediction, the backend prefilling `rate` seconds a token. The caller
-/// passes only first bytes of a backend that was not congested.
+/// with the index's prediction, the backend prefilling `rate` seconds a token. A first byte of
+/// a request sent to a `congested` backend may have waited inside the replica: it proves
+/// stale blocks held (it came early enough despite the wait), never a miss.
 pub(super) fn learn_cache_from_first_byte(
     backend: &Backend,
     first_byte: &FirstByte,
     expected: f64,
     rate: f64,
+    congested: bool,
 ) {
     let prompt = first_byte.prompt_tokens;
     if prompt == 0 || rate <= 0.0 || !expected.is_finite() {
@@ -92,12 +110,14 @@ pub(super) fn learn_cache_from_first_byte(
         first_byte.prompt_tokens,
         first_byte.recall,
         found / prompt,
+        !congested,
     );
 }
 
 /// Moves `backend`'s index reach toward the age a prompt of `prompt_tokens` proved, the engine
-/// having found `found` of it (a share), the index having held `recall` of it.
-fn judge(backend: &Backend, prompt_tokens: u64, recall: Recall, found: f64) {
+/// having found `found` of it (a share), the index having held `recall` of it; a prediction the
+/// engine did not find counts only if `misses` do.
+fn judge(backend: &Backend, prompt_tokens: u64, recall: Recall, found: f64, misses: bool) {
     let share = |blocks: usize| {
         Prompt::blocks_tokens(blocks).min(prompt_tokens) as f64 / prompt_tokens as f64
     };
@@ -105,15 +125,14 @@ fn judge(backend: &Backend, prompt_tokens: u64, recall: Recall, found: f64) {
     let stale = share(recall.held + recall.stale) - held;
     let index = backend.prefixes();
     let reach = index.reach_blocks();
-    let target = if held >= JUDGED_SHARE && found < 0.5 * held {
+    let target = if misses && held >= JUDGED_SHARE && found < 0.5 * held {
         recall.held_age.min(reach)
     } else if stale >= JUDGED_SHARE && found >= held + 0.5 * stale {
         recall.stale_age.max(reach)
     } else {
         return;
     };
-    let floor = MIN_REACH_TOKENS.div_ceil(Prompt::blocks_tokens(1)) as f64;
-    let target = (target as f64).max(floor);
+    let target = (target as f64).max(floor_blocks() as f64);
     let reach = reach as f64;
     index.set_reach_blocks((reach * (target / reach).powf(STEP)).round() as u64);
 }
@@ -215,8 +234,9 @@ mod tests {
     }
 
     /// A first byte of a prompt of 100 blocks of which the index held 75 (400 blocks old),
-    /// `late` prefill tokens' worth of seconds after the expected time.
-    fn judged_first_byte(backend: &Backend, late: f64) {
+    /// `late` prefill tokens' worth of seconds after the expected time, its request sent to a
+    /// `congested` backend or not.
+    fn judged_first_byte(backend: &Backend, late: f64, congested: bool) {
         let rate = 1e-4;
         let expected = 0.02 + tokens(25) as f64 * rate;
         let first_byte = super::super::testing::first_byte(expected + late * rate, tokens(25), 0);
@@ -225,7 +245,7 @@ mod tests {
             recall: held(75, 400),
             ..first_byte
         };
-        learn_cache_from_first_byte(backend, &first_byte, expected, rate);
+        learn_cache_from_first_byte(backend, &first_byte, expected, rate, congested);
     }
 
     #[test]
@@ -234,16 +254,53 @@ mod tests {
         let index = backend.prefixes();
         let full = index.reach_blocks();
         // On time, or late by less than half the prediction: the engine held it.
-        judged_first_byte(&backend, 0.0);
-        judged_first_byte(&backend, tokens(30) as f64);
+        judged_first_byte(&backend, 0.0, false);
+        judged_first_byte(&backend, tokens(30) as f64, false);
         assert_eq!(index.reach_blocks(), full);
-        // The whole predicted prefix prefilled: the engine did not hold blocks that old.
-        judged_first_byte(&backend, tokens(75) as f64);
+        // The whole predicted prefix prefilled, on a congested backend: the request may have
+        // waited for a slot, no proof of a miss.
+        judged_first_byte(&backend, tokens(75) as f64, true);
+        assert_eq!(index.reach_blocks(), full);
+        // The same on a backend with room: the engine did not hold blocks that old.
+        judged_first_byte(&backend, tokens(75) as f64, false);
         assert!(index.reach_blocks() < full);
         // Once its answers report what the engine found, they alone judge.
         let before = index.reach_blocks();
         learn_cache(&backend, &answer(held(75, 400), Some(74)));
-        judged_first_byte(&backend, tokens(75) as f64);
+        judged_first_byte(&backend, tokens(75) as f64, false);
         assert_eq!(index.reach_blocks(), before);
+    }
+
+    #[test]
+    fn the_reach_starts_short_and_an_early_first_byte_lengthens_it_even_under_load() {
+        use super::super::testing::*;
+        use crate::strategies::Strategy;
+
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(9);
+        let index = replica.prefixes();
+        assert_eq!(index.reach_blocks(), index.capacity_blocks() as u64);
+        // The strategy's first look at the backend (a first byte with no prefill: its fixed
+        // delay, 50 ms) starts the reach at a few prompts.
+        strategy.on_first_byte(&replica, &first_byte_on(&replica, 0.05, 0, 0));
+        let start = index.reach_blocks();
+        assert_eq!(start, floor_blocks());
+        let rate = strategy.prefill_rate(&replica);
+        // A prompt of 100 blocks the index had recorded 1,000 blocks ago, past its reach, so
+        // counted as uncached: its first byte comes after the fixed delay alone, on a backend
+        // using all of its limit. The engine held it: the reach moves toward that age, and the
+        // prefill rate does not take the short first byte for a fast prefill.
+        busy(&replica, strategy.limit(&replica) as usize);
+        let early = FirstByte {
+            prompt_tokens: tokens(100),
+            recall: stale(0, 100, 1_000),
+            ..first_byte_on(&replica, 0.06, tokens(100), 0)
+        };
+        strategy.on_first_byte(&replica, &early);
+        assert_eq!(
+            index.reach_blocks(),
+            ((start * 1_000) as f64).sqrt().round() as u64
+        );
+        assert_eq!(strategy.prefill_rate(&replica), rate);
     }
 }

@@ -88,24 +88,25 @@ impl LoadScore {
             });
         // A request sent past the limit on purpose ([`Self::overflow`]) was expected to wait
         // for a slot: however late, its first byte says nothing new about the limit, nor about
-        // the cache. Nor does one sent to a backend using more than half of its limit: it may
-        // have waited inside the replica.
+        // the cache. One sent to a backend using more than half of its limit may have waited
+        // inside the replica: it is no proof of a cache miss.
         let mut judged = None;
         self.update(backend, |learned, _| {
             if first_byte.streamed && !first_byte.past_limit {
                 let limit = learned.limit;
                 let expected = self.learn_ttfb(learned, first_byte, busy);
                 let sent_to = first_byte.in_flight as f64;
-                if expected.known && (sent_to <= 1.0 || sent_to <= limit / 2.0) {
-                    judged = Some((expected.seconds, learned.prefill_rate));
+                if expected.known {
+                    let congested = sent_to > 1.0 && sent_to > limit / 2.0;
+                    judged = Some((expected.seconds, learned.prefill_rate, congested));
                 }
                 if full {
                     learned.limit = learned.limit.min(limit);
                 }
             }
         });
-        if let Some((expected, rate)) = judged {
-            learn_cache_from_first_byte(backend, first_byte, expected, rate);
+        if let Some((expected, rate, congested)) = judged {
+            learn_cache_from_first_byte(backend, first_byte, expected, rate, congested);
         }
     }
 
@@ -125,7 +126,9 @@ impl LoadScore {
     fn learn_ttfb(&self, state: &mut Learned, first_byte: &FirstByte, busy: f64) -> Expected {
         let prefill = first_byte.uncached_tokens + first_byte.queued_tokens;
         state.history.streamed = true;
-        let expected = state.expect_first_byte(first_byte.seconds, prefill, busy);
+        // Blocks recorded past the index's reach may have been held: the prefill is uncertain.
+        let certain = first_byte.recall.stale == 0;
+        let expected = state.expect_first_byte(first_byte.seconds, prefill, certain, busy);
         if expected.known {
             self.judge_ttfb(state, first_byte, busy, expected.seconds);
         } else {

@@ -298,6 +298,7 @@ impl LoadScore {
             Some(rank) => Learned::of(rank, *history),
             None => {
                 fleet.add_entry();
+                cache::start_reach(backend);
                 Learned::new(self.initial_limit)
             }
         };

@@ -39,8 +39,16 @@ impl Learned {
     /// Reads a stream's first byte after `ttfb` seconds, whose request and those queued ahead
     /// of it had `prefill` uncached prompt tokens, with `busy` requests in flight on the backend
     /// now, into the backend's fixed delay and prefill rate; returns what it was expected to
-    /// take.
-    pub(super) fn expect_first_byte(&mut self, ttfb: f64, prefill: u64, busy: f64) -> Expected {
+    /// take. Only a `certain` prefill (no part of the prompt possibly held beyond what the index
+    /// predicted) teaches the rate: a prompt held but counted as uncached would make the
+    /// prefill look fast, and the rate follows the fastest samples.
+    pub(super) fn expect_first_byte(
+        &mut self,
+        ttfb: f64,
+        prefill: u64,
+        certain: bool,
+        busy: f64,
+    ) -> Expected {
         // The fixed delay is read off first bytes with little prefill: where the prefill is
         // long, an error in the rate would pass for a shorter (even zero) fixed delay, and every
         // short prompt after it would look late.
@@ -62,7 +70,7 @@ impl Learned {
         // and one early sample would end the slow start.
         let known = baseline.is_some() || self.history.prefill_samples >= PREFILL_SAMPLES_TO_JUDGE;
         let baseline = baseline.unwrap_or(0.0);
-        if prefill >= MIN_PREFILL_SAMPLE {
+        if prefill >= MIN_PREFILL_SAMPLE && certain {
             self.history.prefill_samples = self.history.prefill_samples.saturating_add(1);
             let sample = (ttfb - baseline).max(0.0) / prefill as f64;
             let weight = if sample < self.prefill_rate {

@@ -898,6 +898,8 @@ pub struct Lease {
     prompt_tokens: u64,
     /// What the backend's index held of the prompt at dispatch.
     recall: Recall,
+    /// The prompt, released in the backend's index when the request ends.
+    prompt: Option<Arc<Prompt>>,
 }
 
 impl std::fmt::Debug for Lease {
@@ -944,6 +946,7 @@ impl Lease {
             past_limit,
             prompt_tokens,
             recall,
+            prompt: info.prompt.clone(),
         }
     }
 
@@ -1058,8 +1061,17 @@ impl Lease {
     }
 
     fn release_locked(mut self) {
+        self.release();
+    }
+
+    /// Gives the backend back what the request held of it: its in-flight work, and, in its
+    /// prefix index, the prompt (the engine frees the prompt's blocks as the request ends).
+    fn release(&mut self) {
         self.backend
             .release_work(&self.work, self.first_byte.is_none());
+        if let Some(prompt) = &self.prompt {
+            self.backend.prefixes().release(&prompt.blocks);
+        }
         self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
         self.released = true;
     }
@@ -1068,9 +1080,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if !self.released {
-            self.backend
-                .release_work(&self.work, self.first_byte.is_none());
-            self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
+            self.release();
             self.balancer.capacity_freed();
         }
     }
@@ -1198,6 +1208,44 @@ mod tests {
             .unwrap();
         assert_eq!(balancer.queue_depth(), 0);
         drop((first, second));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prompt_counts_as_held_while_its_request_runs_and_ages_from_its_end() {
+        let balancer =
+            Balancer::new(Tuning::default(), Arc::new(RoomPerFirstByte::default())).unwrap();
+        balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
+        let with_prompt = |text: &str| RequestInfo {
+            prompt: Prompt::of_body(format!(r#"{{"prompt":"{text}"}}"#).as_bytes()).map(Arc::new),
+            ..RequestInfo::default()
+        };
+        let (long, other) = (
+            with_prompt(&"a".repeat(4_096)),
+            with_prompt(&"b".repeat(4_096)),
+        );
+        let blocks = long.prompt.as_ref().unwrap().blocks.clone();
+        // The strategy takes one more request per first byte seen.
+        let mut first = balancer.admit(long).await.unwrap();
+        first.mark_first_byte();
+        let backend = Arc::clone(first.backend());
+        let index = backend.prefixes();
+        // A reach shorter than the prompt sent after it: while the first request runs, its
+        // blocks are held all the same.
+        index.set_reach_blocks(4);
+        let mut second = balancer.admit(other).await.unwrap();
+        second.mark_first_byte();
+        second.finish(Finish::default());
+        assert!(blocks.len() > 4);
+        assert_eq!(index.matched_blocks(&blocks), blocks.len());
+        // It ends: held as the youngest, then aging past the reach like any other.
+        first.finish(Finish::default());
+        assert_eq!(index.matched_blocks(&blocks), blocks.len());
+        let third = balancer
+            .admit(with_prompt(&"c".repeat(4_096)))
+            .await
+            .unwrap();
+        drop(third);
+        assert_eq!(index.matched_blocks(&blocks), 0);
     }
 
     /// Takes every request on the first backend, those sent while it already holds one past its

@@ -9,14 +9,13 @@
 //! # Layout and memory
 //!
 //! A map from block hash to slot and last use (a `HashMap<u64, (u32, u32)>` with a pass-through
-//! hasher, the hashes being uniformly random already) and a `Vec` of slots `{hash, prev, next}`
-//! linked by index into the LRU list: no allocation per entry, and both containers stop growing
-//! at the capacity (the map is rebuilt in place when evictions have left it no free bucket,
-//! rather than doubled). A
-//! full index holds about 50 bytes per block: 16 bytes per slot, and 16 bytes plus one control
-//! byte per map bucket with up to twice as many buckets as blocks. At the default capacity,
-//! 16,384 blocks (1,048,576 tokens), that is about 800 KiB per backend; an index starts empty and
-//! grows with use. [`PrefixIndex::memory_bytes`] reports what the containers actually hold.
+//! hasher, the hashes being uniformly random already) and a `Vec` of slots
+//! `{hash, prev, next, pins}` linked by index into the LRU list: no allocation per entry, and
+//! both containers stop growing at the capacity (the map is rebuilt in place when evictions have
+//! left it no free bucket, rather than doubled). A full index holds about 58 bytes per block:
+//! 24 bytes per slot, and 16 bytes plus one control byte per map bucket with up to twice as
+//! many buckets as blocks. At the default capacity, 16,384 blocks (1,048,576 tokens), that is
+//! about 930 KiB per backend; an index starts empty and grows with use. [`PrefixIndex::memory_bytes`] reports what the containers actually hold.
 //!
 //! # Matching
 //!
@@ -62,7 +61,7 @@ impl PrefixIndex {
     pub const TOKENS_PER_BLOCK: u64 = (prompt::BLOCK_BYTES / prompt::BYTES_PER_TOKEN) as u64;
 
     /// The default capacity: 1,048,576 tokens (16,384 blocks), the order of one replica's prefix
-    /// cache, in about 800 KiB when full.
+    /// cache, in about 930 KiB when full.
     pub const DEFAULT_CAPACITY_TOKENS: u64 = 1 << 20;
 
     /// An index of `capacity_tokens` tokens, rounded up to whole blocks; 0 disables it (it
@@ -112,7 +111,7 @@ impl PrefixIndex {
             return 0;
         }
         let lru = self.lock();
-        lru.prefix(blocks, |age| age <= lru.reach).0
+        lru.prefix(blocks, |block| lru.holds(block)).0
     }
 
     /// Records that a prompt with these blocks was routed here: they become the most recently
@@ -123,7 +122,7 @@ impl PrefixIndex {
             return Recall::default();
         }
         let mut lru = self.lock();
-        let (held, held_age) = lru.prefix(blocks, |age| age <= lru.reach);
+        let (held, held_age) = lru.prefix(blocks, |block| lru.holds(block));
         let mut recall = Recall {
             held,
             held_age,
@@ -139,9 +138,32 @@ impl PrefixIndex {
         // Touching the blocks past the capacity would only have them evicted by the ones before.
         let blocks = &blocks[..blocks.len().min(self.capacity_blocks)];
         for &hash in blocks.iter().rev() {
-            lru.touch(hash);
+            let slot = lru.touch(hash);
+            let pins = &mut lru.slots[slot as usize].pins;
+            *pins = pins.saturating_add(1);
         }
         recall
+    }
+
+    /// Marks the recorded blocks of a prompt whose request has ended ([`Self::record`]ed when it
+    /// was sent) as used now and no longer in flight, adding nothing: an engine keeps a running
+    /// sequence's blocks and frees them when it ends, and its cache evicts freed blocks oldest
+    /// first, so a block's age counts from the end of the last request that used it. The
+    /// blocks' order of eviction is the one [`Self::record`] gives (the first block last).
+    pub fn release(&self, blocks: &[u64]) {
+        if self.capacity_blocks == 0 || blocks.is_empty() {
+            return;
+        }
+        let mut lru = self.lock();
+        for &hash in blocks[..blocks.len().min(self.capacity_blocks)]
+            .iter()
+            .rev()
+        {
+            if let Some(slot) = lru.refresh(hash) {
+                let pins = &mut lru.slots[slot as usize].pins;
+                *pins = pins.saturating_sub(1);
+            }
+        }
     }
 
     /// Forgets every block (the backend restarted or left) and frees the memory; the reach
@@ -235,12 +257,16 @@ impl Hasher for PassThrough {
     }
 }
 
-/// One recorded block and its neighbours in the LRU list (`prev` toward the most recent).
+/// One recorded block, its neighbours in the LRU list (`prev` toward the most recent), and the
+/// requests in flight using it.
 #[derive(Clone, Copy)]
 struct Slot {
     hash: u64,
     prev: u32,
     next: u32,
+    /// Requests recorded with this block and not yet released: the engine runs them and keeps
+    /// the block whatever its age.
+    pins: u32,
 }
 
 /// A recorded block's slot and the [`Lru::clock`] at its last use.
@@ -280,18 +306,41 @@ impl Default for Lru {
     }
 }
 
+/// What the index knows of one recorded block.
+#[derive(Clone, Copy)]
+struct Recorded {
+    /// New blocks recorded since its last use.
+    age: u64,
+    /// Whether a request in flight uses it.
+    pinned: bool,
+}
+
 impl Lru {
-    /// The age of `hash` if it is recorded.
-    fn age(&self, hash: u64) -> Option<u64> {
+    /// What is known of `hash` if it is recorded.
+    fn recorded(&self, hash: u64) -> Option<Recorded> {
         let entry = self.map.get(&hash)?;
-        Some(u64::from(self.clock.wrapping_sub(entry.touched)))
+        Some(Recorded {
+            age: u64::from(self.clock.wrapping_sub(entry.touched)),
+            pinned: self.slots[entry.slot as usize].pins > 0,
+        })
     }
 
-    /// The longest prefix of `blocks` recorded with an age that `keeps`, and the age of its
-    /// deepest block (0 for none). Ages grow with the depth, so that is a binary search: one
-    /// lookup when the first block fails, two when the last one passes, about log2(n) otherwise.
-    fn prefix(&self, blocks: &[u64], keeps: impl Fn(u64) -> bool) -> (usize, u64) {
-        let kept = |hash: u64| self.age(hash).filter(|&age| keeps(age));
+    /// Whether a recorded block counts as held: a request in flight uses it, or it is within
+    /// the reach.
+    fn holds(&self, block: Recorded) -> bool {
+        block.pinned || block.age <= self.reach
+    }
+
+    /// The longest prefix of `blocks` recorded in a way that `keeps`, and the age of its
+    /// deepest block (0 for none). Ages grow with the depth, and a request in flight using a
+    /// block uses every block before it, so that is a binary search: one lookup when the first
+    /// block fails, two when the last one passes, about log2(n) otherwise.
+    fn prefix(&self, blocks: &[u64], keeps: impl Fn(Recorded) -> bool) -> (usize, u64) {
+        let kept = |hash: u64| {
+            self.recorded(hash)
+                .filter(|&block| keeps(block))
+                .map(|block| block.age)
+        };
         let n = blocks.len();
         let Some(first) = blocks.first().and_then(|&hash| kept(hash)) else {
             return (0, 0);
@@ -312,17 +361,23 @@ impl Lru {
         (lo, deepest)
     }
 
+    /// Makes `hash` the most recently used block if it is recorded; returns its slot.
+    fn refresh(&mut self, hash: u64) -> Option<u32> {
+        let entry = self.map.get_mut(&hash)?;
+        entry.touched = self.clock;
+        let slot = entry.slot;
+        if slot != self.head {
+            self.unlink(slot);
+            self.push_front(slot);
+        }
+        Some(slot)
+    }
+
     /// Makes `hash` the most recently used block, evicting the least recently used one when
-    /// the limit is reached.
-    fn touch(&mut self, hash: u64) {
-        if let Some(entry) = self.map.get_mut(&hash) {
-            entry.touched = self.clock;
-            let slot = entry.slot;
-            if slot != self.head {
-                self.unlink(slot);
-                self.push_front(slot);
-            }
-            return;
+    /// the limit is reached; returns its slot.
+    fn touch(&mut self, hash: u64) -> u32 {
+        if let Some(slot) = self.refresh(hash) {
+            return slot;
         }
         self.clock = self.clock.wrapping_add(1);
         let slot = if self.map.len() < self.limit {
@@ -335,6 +390,7 @@ impl Lru {
                 hash,
                 prev: NIL,
                 next: NIL,
+                pins: 0,
             });
             (self.slots.len() - 1) as u32
         } else {
@@ -342,6 +398,7 @@ impl Lru {
             self.unlink(slot);
             self.map.remove(&self.slots[slot as usize].hash);
             self.slots[slot as usize].hash = hash;
+            self.slots[slot as usize].pins = 0;
             if self.map.len() == self.map.capacity() {
                 self.rebuild_map();
             }
@@ -355,6 +412,7 @@ impl Lru {
             },
         );
         self.push_front(slot);
+        slot
     }
 
     /// Removals leave tombstones only a rehash clears, and at full load the map's own rehash
@@ -528,59 +586,108 @@ mod tests {
         assert_eq!(index.matched_blocks(&bob), 11);
     }
 
+    /// Records `blocks` as a request sent to the backend and ended: what the index held of
+    /// them before.
+    fn sent(index: &PrefixIndex, blocks: &[u64]) -> Recall {
+        let recall = index.record(blocks);
+        index.release(blocks);
+        recall
+    }
+
+    #[test]
+    fn a_prompt_in_flight_is_held_whatever_its_age_and_young_again_when_released() {
+        let index = PrefixIndex::new(100 * TPB);
+        index.set_reach_blocks(30);
+        let (long, short) = (chain(21, 20), chain(22, 20));
+        // A long answer's prompt is sent, then 40 new blocks while it runs: past the reach by
+        // the age of its dispatch, but the engine runs it and holds its blocks.
+        index.record(&long);
+        sent(&index, &short);
+        sent(&index, &chain(23, 20));
+        assert_eq!(index.matched_blocks(&long), 20);
+        // A second request on the same prefix, in flight too: it ends, the first still runs.
+        let longer = [&long[..], &chain(26, 4)].concat();
+        assert_eq!(sent(&index, &longer).held, 20);
+        assert_eq!(index.matched_blocks(&long), 20);
+        sent(&index, &chain(27, 40));
+        assert_eq!(index.matched_blocks(&longer), 20);
+        // The first ends: the engine frees its blocks now, the youngest of its cache.
+        index.release(&long);
+        assert_eq!(index.matched_blocks(&long), 20);
+        sent(&index, &chain(28, 20));
+        assert_eq!(index.matched_blocks(&long), 20);
+        // Then it ages like any other block.
+        sent(&index, &chain(29, 20));
+        assert_eq!(index.matched_blocks(&long), 0);
+        // Releasing adds no age to other blocks, and no block the index does not hold.
+        let before = index.len_blocks();
+        let held = index.matched_blocks(&chain(29, 20));
+        let unknown = chain(24, 5);
+        index.release(&unknown);
+        assert_eq!(index.matched_blocks(&chain(29, 20)), held);
+        assert_eq!(index.matched_blocks(&unknown), 0);
+        assert_eq!(index.len_blocks(), before);
+    }
+
     #[test]
     fn the_reach_holds_blocks_by_age_and_a_longer_reach_holds_them_again() {
         let index = PrefixIndex::new(100 * TPB);
         assert_eq!(index.reach_blocks(), 100);
         let (old, new) = (chain(11, 40), chain(12, 40));
-        assert_eq!(index.record(&old), Recall::default());
-        index.record(&new);
-        // The older prompt's first block is 40 new blocks old, its last 79.
-        index.set_reach_blocks(50);
-        assert_eq!(index.reach_blocks(), 50);
+        assert_eq!(sent(&index, &old), Recall::default());
+        sent(&index, &new);
+        // The older prompt ended 40 new blocks ago, the newer one just now.
+        index.set_reach_blocks(30);
+        assert_eq!(index.reach_blocks(), 30);
         assert_eq!(index.matched_blocks(&new), 40);
-        assert_eq!(index.matched_blocks(&old), 11);
-        // Recording it tells what was held, what was stale and how old each was; all of it is
-        // held again after.
+        assert_eq!(index.matched_blocks(&old), 0);
+        // Sending it tells what was held, what was stale and how old; all of it is held after.
         assert_eq!(
-            index.record(&old),
+            sent(&index, &old),
             Recall {
-                held: 11,
-                held_age: 50,
-                stale: 29,
-                stale_age: 79,
+                held: 0,
+                held_age: 0,
+                stale: 40,
+                stale_age: 40,
             }
         );
         assert_eq!(index.matched_blocks(&old), 40);
-        // Nothing was evicted: a longer reach holds the newer prompt's stale blocks again.
+        // 30 new blocks: the newer prompt is 30 old, its last 10 blocks evicted at the capacity
+        // (it ended before the older one was sent again).
         for seed in 100..103 {
-            index.record(&chain(seed, 10));
+            sent(&index, &chain(seed, 10));
         }
-        assert_eq!(index.matched_blocks(&new), 21);
+        assert_eq!(index.matched_blocks(&new), 30);
+        // A shorter reach counts it stale; a longer one holds it again: nothing was evicted.
+        index.set_reach_blocks(20);
+        assert_eq!(index.matched_blocks(&new), 0);
         index.set_reach_blocks(1_000);
         assert_eq!(index.reach_blocks(), 100);
-        // (Its last 10 blocks went at the capacity.)
         assert_eq!(index.matched_blocks(&new), 30);
-        let recall = index.record(&new);
-        assert_eq!((recall.held, recall.stale), (30, 0));
+        let recall = sent(&index, &new);
+        assert_eq!((recall.held, recall.held_age, recall.stale), (30, 30, 0));
         assert_eq!(index.matched_blocks(&new), 40);
-        // Recording again what was just recorded adds no age: only new blocks count.
+        // Sending again what was just sent adds no age: only new blocks count.
         let index = PrefixIndex::new(100 * TPB);
-        index.record(&old);
-        index.record(&chain(13, 5));
-        index.record(&old);
-        assert_eq!(index.record(&old).held_age, 0);
-        assert_eq!(index.record(&chain(14, 7)).held_age, 0);
-        assert_eq!(index.record(&old).held_age, 7);
+        sent(&index, &old);
+        sent(&index, &chain(13, 5));
+        assert_eq!(sent(&index, &old).held_age, 5);
+        assert_eq!(sent(&index, &old).held_age, 0);
+        assert_eq!(sent(&index, &chain(14, 7)).held_age, 0);
+        assert_eq!(sent(&index, &old).held_age, 7);
         index.set_reach_blocks(0);
         assert_eq!(index.reach_blocks(), 1);
         index.forget();
         assert_eq!((index.len_blocks(), index.reach_blocks()), (0, 1));
         assert_eq!(index.capacity_blocks(), 100);
-        // A prompt's deeper blocks are older by the new blocks recorded after them, its own
-        // included: with a reach of 1, its first two blocks are held.
+        // In flight, a prompt is held whatever the reach; it ages from its release.
         index.record(&old);
-        assert_eq!(index.matched_blocks(&old), 2);
+        sent(&index, &chain(15, 2));
+        assert_eq!(index.matched_blocks(&old), 40);
+        index.release(&old);
+        assert_eq!(index.matched_blocks(&old), 40);
+        sent(&index, &chain(16, 2));
+        assert_eq!(index.matched_blocks(&old), 0);
     }
 
     #[test]

@@ -297,6 +297,7 @@ fn backend_json(backend: &Backend, now: Instant) -> Value {
         "completed": backend.completed(),
         "ejected": availability.is_ejected(),
         "paused": availability.is_paused(now),
+        "prefix_reach_tokens": backend.prefixes().reach_tokens(),
     })
 }
 

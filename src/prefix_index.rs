@@ -93,6 +93,11 @@ impl PrefixIndex {
         self.lock().reach
     }
 
+    /// [`Self::reach_blocks`] in tokens: the prefix cache the index takes the backend to keep.
+    pub fn reach_tokens(&self) -> u64 {
+        self.reach_blocks().saturating_mul(Self::TOKENS_PER_BLOCK)
+    }
+
     /// Counts a block as held only while fewer than `blocks` new blocks (at least one, at most
     /// the configured capacity) were recorded since its last use: a strategy that learned how
     /// much the backend's own cache keeps sizes the index like it. Nothing is evicted: a longer

@@ -194,6 +194,23 @@ async fn health_reports_the_reference_fields_and_strategy() {
     assert_eq!(backend["completed"], 0);
 }
 
+/// The prefix cache the router takes each backend to keep: the default strategy starts it at a
+/// few prompts and learns it from what the engine found; a strategy that does not learn it
+/// leaves the index's configured capacity.
+#[tokio::test]
+async fn health_shows_the_prefix_cache_the_router_takes_each_backend_to_keep() {
+    for (config, tokens) in [(qll(), 8_192), (round_robin(), 1_048_576)] {
+        let router = start_router(config).await;
+        set_backends(router.addr, &["127.0.0.1:9001".to_owned()]).await;
+        let (status, health) = get_json(&router.url("/_custom_router/health")).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            health["backends"][0]["prefix_reach_tokens"], tokens,
+            "{health}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn metrics_use_the_reference_names_and_drop_removed_backends() {
     let a = named_backend("a").await;

@@ -625,7 +625,8 @@ async fn health_fields_match_the_readme() {
             "ejected",
             "ewma_latency",
             "in_flight",
-            "paused"
+            "paused",
+            "prefix_reach_tokens"
         ]
     );
     assert_eq!(health["draining"], false);

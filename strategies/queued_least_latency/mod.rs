@@ -383,7 +383,7 @@ impl Strategy for QueuedLeastLatency {
 
     fn on_backends_changed(&self, backends: &[Arc<Backend>]) {
         if let Mode::Load(load) = &self.mode {
-            load.forget_removed(backends);
+            load.backends_changed(backends);
         }
     }
 }

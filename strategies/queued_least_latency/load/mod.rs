@@ -264,11 +264,24 @@ impl Default for LoadState {
 }
 
 impl LoadScore {
-    /// Keeps what was learned about ejected or paused backends; forgets removed ones once more
-    /// backends are counted than four times the set: a new generation, to which the backends of
-    /// the set are carried over, and the fleet's sums counted again over them.
-    pub(super) fn forget_removed(&self, backends: &[Arc<Backend>]) {
+    /// The eligible set changed to `backends`. Backends of it the strategy has learned nothing
+    /// about yet have their prefix index's reach started (`cache.rs`), so that what the index
+    /// predicts, and what the health endpoint shows of it, is the start from the first request
+    /// on. What was learned about ejected or paused backends is kept; removed ones are
+    /// forgotten once more backends are counted than four times the set: a new generation, to
+    /// which the backends of the set are carried over, and the fleet's sums counted again over
+    /// them.
+    pub(super) fn backends_changed(&self, backends: &[Arc<Backend>]) {
         let mut state = self.state();
+        for backend in backends {
+            if backend
+                .strategy_slot::<Slot>()
+                .rank(state.generation)
+                .is_none()
+            {
+                cache::start_reach(backend);
+            }
+        }
         if state.fleet.entries() as usize <= 4 * backends.len().max(8) {
             return;
         }

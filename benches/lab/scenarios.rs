@@ -43,8 +43,12 @@ pub const PRIORITY_HEADER: &str = "x-priority";
 /// `queued-least-latency:config.queue.tenant_header=x-tenant-id`).
 pub const TENANT_HEADER: &str = "x-tenant-id";
 
-/// How often the replicas' batch and queue are sampled during an LLM scenario.
+/// How often the replicas' batch and queue are sampled during an LLM scenario, in the
+/// replicas' time: a run that compresses time samples as much more often, down to
+/// [`MIN_ENGINE_SAMPLE_INTERVAL`] (a smoke run's requests last tens of milliseconds).
 const ENGINE_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
+/// The shortest interval between samples of the replicas, whatever the time compression.
+const MIN_ENGINE_SAMPLE_INTERVAL: Duration = Duration::from_millis(5);
 
 /// One scenario.
 #[derive(Debug, Clone)]
@@ -1438,8 +1442,17 @@ async fn run_routing(
         Traffic::Users(_) => true,
         Traffic::Poisson(poisson) => poisson.compressed,
     };
-    let sampler = engine_scale
-        .then(|| tokio::spawn(sample_engines(stats.clone(), routing.engine.clone(), done)));
+    let every = ENGINE_SAMPLE_INTERVAL
+        .div_f64(routing.time_compression(context.mode))
+        .max(MIN_ENGINE_SAMPLE_INTERVAL);
+    let sampler = engine_scale.then(|| {
+        tokio::spawn(sample_engines(
+            stats.clone(),
+            routing.engine.clone(),
+            every,
+            done,
+        ))
+    });
     let mut scale_up_error = None;
     if let Some(after) = routing.scale_up_after {
         tokio::time::sleep(Duration::from_secs_f64(after * context.mode.time_scale())).await;
@@ -1585,14 +1598,15 @@ impl EngineSamples {
     }
 }
 
-/// Samples the replicas until `done` fires.
+/// Samples the replicas `every` so often until `done` fires.
 async fn sample_engines(
     stats: Vec<Arc<SimStats>>,
     engine: SimConfig,
+    every: Duration,
     mut done: tokio::sync::oneshot::Receiver<()>,
 ) -> EngineSamples {
     let mut samples = EngineSamples::default();
-    let mut ticker = tokio::time::interval(ENGINE_SAMPLE_INTERVAL);
+    let mut ticker = tokio::time::interval(every);
     loop {
         tokio::select! {
             _ = &mut done => return samples,

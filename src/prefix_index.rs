@@ -15,7 +15,8 @@
 //! left it no free bucket, rather than doubled). A full index holds about 58 bytes per block:
 //! 24 bytes per slot, and 16 bytes plus one control byte per map bucket with up to twice as
 //! many buckets as blocks. At the default capacity, 16,384 blocks (1,048,576 tokens), that is
-//! about 930 KiB per backend; an index starts empty and grows with use. [`PrefixIndex::memory_bytes`] reports what the containers actually hold.
+//! about 930 KiB per backend; an index starts empty and grows with use.
+//! [`PrefixIndex::memory_bytes`] reports what the containers actually hold.
 //!
 //! # Matching
 //!
@@ -140,9 +141,7 @@ impl PrefixIndex {
                 (recall.stale, recall.stale_age) = (recorded - held, stale_age);
             }
         }
-        // Touching the blocks past the capacity would only have them evicted by the ones before.
-        let blocks = &blocks[..blocks.len().min(self.capacity_blocks)];
-        for &hash in blocks.iter().rev() {
+        for &hash in self.recorded_part(blocks).iter().rev() {
             let slot = lru.touch(hash);
             let pins = &mut lru.slots[slot as usize].pins;
             *pins = pins.saturating_add(1);
@@ -160,15 +159,19 @@ impl PrefixIndex {
             return;
         }
         let mut lru = self.lock();
-        for &hash in blocks[..blocks.len().min(self.capacity_blocks)]
-            .iter()
-            .rev()
-        {
+        for &hash in self.recorded_part(blocks).iter().rev() {
             if let Some(slot) = lru.refresh(hash) {
                 let pins = &mut lru.slots[slot as usize].pins;
                 *pins = pins.saturating_sub(1);
             }
         }
+    }
+
+    /// The leading blocks of a prompt that [`Self::record`] records (and pins) and
+    /// [`Self::release`] releases: those within the capacity, as touching the blocks past it
+    /// would only have them evicted by the ones before.
+    fn recorded_part<'b>(&self, blocks: &'b [u64]) -> &'b [u64] {
+        &blocks[..blocks.len().min(self.capacity_blocks)]
     }
 
     /// Forgets every block (the backend restarted or left) and frees the memory; the reach

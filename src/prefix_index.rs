@@ -675,6 +675,22 @@ mod tests {
         let recall = sent(&index, &new);
         assert_eq!((recall.held, recall.held_age, recall.stale), (30, 30, 0));
         assert_eq!(index.matched_blocks(&new), 40);
+        // A prompt held in part: its first blocks sent again since (young), the rest past the
+        // reach. Recording it tells both, with their ages.
+        let index = PrefixIndex::new(100 * TPB);
+        index.set_reach_blocks(30);
+        sent(&index, &old);
+        sent(&index, &chain(17, 35));
+        sent(&index, &old[..10]);
+        assert_eq!(
+            sent(&index, &old),
+            Recall {
+                held: 10,
+                held_age: 0,
+                stale: 30,
+                stale_age: 35,
+            }
+        );
         // Sending again what was just sent adds no age: only new blocks count.
         let index = PrefixIndex::new(100 * TPB);
         sent(&index, &old);

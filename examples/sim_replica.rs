@@ -142,6 +142,8 @@ impl Args {
             },
             usage: self.usage,
             full_batch: self.full_batch,
+            pooled_prefix_cache: false,
+            shared_cache: None,
         }
     }
 }

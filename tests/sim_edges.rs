@@ -547,6 +547,65 @@ async fn answers_report_usage_with_the_cached_prompt_tokens() {
     assert!(answer["usage"].is_null() && answer["choices"][0]["message"].is_object());
 }
 
+/// Replicas sharing one prefix cache (the floor of the prefix workloads) find a prompt another
+/// of them computed; replicas with caches of their own do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_a_prefix_cache_find_what_another_computed() {
+    let config = |name: &str, shared_cache| SimConfig {
+        name: name.into(),
+        prefill_ms: 0.0,
+        step_ms: 1.0,
+        step_per_batch_ms: 0.0,
+        prefix_cache_tokens: 10_000,
+        block_tokens: 16,
+        batching: Batching::Stepped {
+            token_budget: 2_048,
+        },
+        usage: true,
+        shared_cache,
+        ..SimConfig::default()
+    };
+    // 100 prompt tokens: 6 full blocks, computed by the first replica, asked of the second.
+    let body = format!(r#"{{"prompt": "{}", "max_tokens": 2}}"#, "q".repeat(400));
+    for (shared, cached_on_second) in [(Some(sim::SharedCache::new(10_000, 16)), 96), (None, 0)] {
+        let first = sim::spawn(config("one", shared.clone())).await.unwrap();
+        let second = sim::spawn(config("two", shared)).await.unwrap();
+        let mut cached = Vec::new();
+        for replica in [&first, &second] {
+            let (status, answer) =
+                exchange(replica.addr, http::Method::POST, "/v1/completions", &body).await;
+            assert_eq!(status, 200);
+            let answer: serde_json::Value = serde_json::from_str(&answer).unwrap();
+            cached.push(answer["usage"]["prompt_tokens_details"]["cached_tokens"].clone());
+        }
+        assert_eq!(cached, [0, cached_on_second]);
+    }
+}
+
+/// The floors of the prefix workloads run their parent's requests (its seed and traffic) on its
+/// replicas with their prefix caches pooled.
+#[test]
+fn cache_floor_scenarios_pool_the_caches_of_their_parents_replicas() {
+    for parent in [
+        "prefix",
+        "prefix-session",
+        "trace-conversation",
+        "trace-synthetic",
+    ] {
+        let (mixed, floor) = (routing(parent), routing(&format!("{parent}-floor")));
+        assert!(!mixed.engine.pooled_prefix_cache && floor.engine.pooled_prefix_cache);
+        assert_eq!(floor.seed_of, Some(parent), "the parent's schedule");
+        assert_eq!(
+            format!("{:?}", (&mixed.traffic, mixed.replicas.len(), mixed.slo)),
+            format!("{:?}", (&floor.traffic, floor.replicas.len(), floor.slo)),
+        );
+        assert_eq!(
+            mixed.engine.prefix_cache_tokens,
+            floor.engine.prefix_cache_tokens
+        );
+    }
+}
+
 // --- Trace replays: the trace's prefix sharing, its window and its times. ---
 
 /// Two requests of a replayed trace share exactly the prefix their `hash_ids` say (a whole

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use super::load::{self, Class, ClosedLoop, Lengths, OpenLoop, Planned, Record};
 use super::peer::PeerSpec;
-use super::sim::{self, Batching, Faults, SimConfig, SimHandle, SimStats};
+use super::sim::{self, Batching, Faults, SharedCache, SimConfig, SimHandle, SimStats};
 use super::summary::{self, Metrics, Slo};
 use super::trace::Trace;
 use super::workload::{Chat, Documents, Scale, Workload};
@@ -222,8 +222,17 @@ pub fn all() -> Vec<Scenario> {
         engine_scale(),
         trace_conversation(),
         trace_synthetic(),
-        overhead(),
     ]);
+    all.extend(
+        CACHE_FLOORS
+            .iter()
+            .map(|&(name, models, routing)| Scenario {
+                name,
+                models,
+                kind: Kind::Routing(Box::new(routing())),
+            }),
+    );
+    all.push(overhead());
     all
 }
 
@@ -793,25 +802,20 @@ fn prefix() -> Scenario {
     Scenario {
         name: "prefix",
         models: "Multi-tenant chat: tenants' long system prompts (thousands of tokens, all starting with one shared preamble), several users per tenant in multi-turn chats that resend their growing history, no session header. A replica that saw a prefix recently skips its prefill; the prefix cache of one replica cannot hold every tenant and history.",
-        kind: Kind::Routing(Box::new(llm(
-            4,
-            prefix_engine(),
-            tenants_chat(false),
-            CHAT_SLO,
-        ))),
+        kind: Kind::Routing(Box::new(prefix_routing(false))),
     }
+}
+
+/// The prefix workloads: 4 replicas of [`prefix_engine`] serving [`tenants_chat`].
+fn prefix_routing(session_header: bool) -> Routing {
+    llm(4, prefix_engine(), tenants_chat(session_header), CHAT_SLO)
 }
 
 fn prefix_session() -> Scenario {
     Scenario {
         name: "prefix-session",
         models: "The prefix workload with every request naming its conversation in an `x-session-id` header, as a client that knows its sessions would.",
-        kind: Kind::Routing(Box::new(llm(
-            4,
-            prefix_engine(),
-            tenants_chat(true),
-            CHAT_SLO,
-        ))),
+        kind: Kind::Routing(Box::new(prefix_routing(true))),
     }
 }
 
@@ -926,33 +930,79 @@ fn trace_conversation() -> Scenario {
     Scenario {
         name: "trace-conversation",
         models: "A production trace replayed: Mooncake's conversation workload (Kimi's online chat, multi-turn conversations resending their history), every request at its time with the trace's real prompt sharing; about a fifth of a window's prompt tokens are held by earlier requests.",
-        kind: Kind::Routing(Box::new(trace_replicas(Trace {
-            file: "conversation_trace.jsonl.gz",
-            about: "Mooncake conversation trace",
-            window_seconds: 300.0,
-            speedup: 4.5,
-            tokens_per_block: 128,
-            output_scale: 0.25,
-            stream: true,
-        }))),
+        kind: Kind::Routing(Box::new(trace_replicas(CONVERSATION_TRACE))),
     }
 }
+
+/// The window of the conversation trace replayed.
+const CONVERSATION_TRACE: Trace = Trace {
+    file: "conversation_trace.jsonl.gz",
+    about: "Mooncake conversation trace",
+    window_seconds: 300.0,
+    speedup: 4.5,
+    tokens_per_block: 128,
+    output_scale: 0.25,
+    stream: true,
+};
 
 fn trace_synthetic() -> Scenario {
     Scenario {
         name: "trace-synthetic",
         models: "A trace replayed: Mooncake's synthetic workload (multi-turn conversations from public datasets in their order, Poisson arrivals, long prompts), every request at its time with the trace's real prompt sharing; over the whole trace two thirds of the prompt tokens are held by earlier requests.",
-        kind: Kind::Routing(Box::new(trace_replicas(Trace {
-            file: "synthetic_trace.jsonl.gz",
-            about: "Mooncake synthetic trace",
-            window_seconds: 300.0,
-            speedup: 4.0,
-            tokens_per_block: 128,
-            output_scale: 0.25,
-            stream: true,
-        }))),
+        kind: Kind::Routing(Box::new(trace_replicas(SYNTHETIC_TRACE))),
     }
 }
+
+/// The window of the synthetic trace replayed.
+const SYNTHETIC_TRACE: Trace = Trace {
+    file: "synthetic_trace.jsonl.gz",
+    about: "Mooncake synthetic trace",
+    window_seconds: 300.0,
+    speedup: 4.0,
+    tokens_per_block: 128,
+    output_scale: 0.25,
+    stream: true,
+};
+
+// --- The floors of the prefix workloads. ---
+//
+// What a request takes when where it runs does not decide what it finds cached: the same
+// requests at the same times (the parent's seed), on the same replicas except that they read
+// and fill one prefix cache as large as all of theirs together (`SimConfig::pooled_prefix_cache`).
+// No placement of prompts on replicas holds more distinct prefixes than that cache, and a
+// least-loaded router then loses nothing to locality: the floor a prefix-aware router's latency
+// is measured against.
+
+/// `routing` on replicas sharing one prefix cache, with the seed of `parent`.
+fn pooled(mut routing: Routing, parent: &'static str) -> Routing {
+    routing.engine.pooled_prefix_cache = true;
+    routing.seed_of = Some(parent);
+    routing
+}
+
+/// The floors of the prefix workloads.
+const CACHE_FLOORS: [Form; 4] = [
+    (
+        "prefix-floor",
+        "The floor of prefix: its requests at the same times on replicas sharing one prefix cache of their capacity together, so that no choice of replica loses a cache hit.",
+        || pooled(prefix_routing(false), "prefix"),
+    ),
+    (
+        "prefix-session-floor",
+        "The floor of prefix-session: its requests at the same times on replicas sharing one prefix cache of their capacity together.",
+        || pooled(prefix_routing(true), "prefix-session"),
+    ),
+    (
+        "trace-conversation-floor",
+        "The floor of trace-conversation: its window of the trace on replicas sharing one prefix cache of their capacity together.",
+        || pooled(trace_replicas(CONVERSATION_TRACE), "trace-conversation"),
+    ),
+    (
+        "trace-synthetic-floor",
+        "The floor of trace-synthetic: its window of the trace on replicas sharing one prefix cache of their capacity together.",
+        || pooled(trace_replicas(SYNTHETIC_TRACE), "trace-synthetic"),
+    ),
+];
 
 fn overhead() -> Scenario {
     Scenario {
@@ -1193,9 +1243,14 @@ impl Routing {
             ),
         };
         let floor = if self.engine.full_batch {
-            "; every step timed as a full batch (the floor)"
+            "; every step timed as a full batch (the floor)".to_owned()
+        } else if self.engine.pooled_prefix_cache {
+            format!(
+                "; every replica reads and fills one prefix cache of {} tokens, their capacity together (the floor)",
+                self.engine.prefix_cache_tokens * self.replicas.len() as u64
+            )
         } else {
-            ""
+            String::new()
         };
         format!(
             "{traffic}{floor}; SLO: {}",
@@ -1366,6 +1421,12 @@ async fn start_replicas(
     mode: Mode,
 ) -> Result<Vec<StartedReplica>, LabError> {
     let mut started = Vec::new();
+    let shared_cache = routing.engine.pooled_prefix_cache.then(|| {
+        SharedCache::new(
+            routing.engine.prefix_cache_tokens * routing.replicas.len() as u64,
+            routing.engine.block_tokens,
+        )
+    });
     for (index, replica) in routing.replicas.iter().enumerate() {
         if replica.fault == ReplicaFault::RefusesConnections {
             started.push(StartedReplica {
@@ -1374,7 +1435,11 @@ async fn start_replicas(
             });
             continue;
         }
-        let handle = sim::spawn(routing.sim_config(index, seed, mode)).await?;
+        let config = SimConfig {
+            shared_cache: shared_cache.clone(),
+            ..routing.sim_config(index, seed, mode)
+        };
+        let handle = sim::spawn(config).await?;
         started.push(StartedReplica {
             address: handle.host_port(),
             sim: Some(handle),

@@ -24,7 +24,8 @@
 //!
 //! With `full_batch` on, every step is timed as if every slot were decoding: one request alone
 //! takes what it takes in a batch kept full by others (the floor of the tenant and band
-//! scenarios).
+//! scenarios). With `pooled_prefix_cache` on, the replicas of a run share one prefix cache of
+//! their capacity together (the floor of the prefix scenarios).
 //!
 //! With the per-token costs and the KV limit off (the default), per-request batching, every slot
 //! busy and one request of `t` tokens takes `(prefill_ms + t × (step_ms + step_per_batch_ms ×
@@ -148,6 +149,33 @@ pub struct SimConfig {
     /// chunks get the token budget a full batch leaves): a request's time in a batch kept full
     /// by others, the physics floor the tenant and band scenarios are measured against.
     pub full_batch: bool,
+    /// Every replica of a run reads and fills one prefix cache, as large as all of theirs
+    /// together (`prefix_cache_tokens` times the replicas): where a request runs no longer
+    /// decides what it finds cached, the floor of the prefix scenarios. The lab makes the cache
+    /// ([`SharedCache`]) and hands it to each replica in `shared_cache`.
+    pub pooled_prefix_cache: bool,
+    /// The prefix cache this replica shares with others, instead of one of its own.
+    pub shared_cache: Option<SharedCache>,
+}
+
+/// A prefix cache several replicas read and fill.
+#[derive(Clone)]
+pub struct SharedCache(Arc<Mutex<PrefixCache>>);
+
+impl SharedCache {
+    /// A cache of `capacity_tokens` in blocks of `block_tokens`.
+    pub fn new(capacity_tokens: u64, block_tokens: u32) -> Self {
+        Self(Arc::new(Mutex::new(PrefixCache::new(
+            capacity_tokens,
+            block_tokens,
+        ))))
+    }
+}
+
+impl std::fmt::Debug for SharedCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedCache")
+    }
 }
 
 /// How the requests holding a slot are timed.
@@ -186,6 +214,8 @@ impl Default for SimConfig {
             faults: Faults::default(),
             usage: false,
             full_batch: false,
+            pooled_prefix_cache: false,
+            shared_cache: None,
         }
     }
 }
@@ -356,10 +386,13 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         kv: config
             .kv_capacity_tokens
             .map(|tokens| Arc::new(Semaphore::new(kv_permits(tokens)))),
-        cache: Arc::new(Mutex::new(PrefixCache::new(
-            config.prefix_cache_tokens,
-            config.block_tokens,
-        ))),
+        cache: match &config.shared_cache {
+            Some(shared) => Arc::clone(&shared.0),
+            None => Arc::new(Mutex::new(PrefixCache::new(
+                config.prefix_cache_tokens,
+                config.block_tokens,
+            ))),
+        },
         engine,
         stats: Arc::clone(&stats),
         rng: Mutex::new(fastrand::Rng::with_seed(config.seed)),

@@ -11,12 +11,15 @@
 //! the engine's own queue, and the throughput stays flat while latency grows. The limit is the
 //! knee of that curve:
 //!
-//! - the throughput is kept per load, in buckets √2 apart (an EWMA in each);
-//! - while the throughput at the highest load seen is still rising ([`RISING`] over the bucket
-//!   below it), and the requests press against the limit, the limit grows by a quarter;
+//! - the throughput is kept per load, in buckets √2 apart (an EWMA in each), a window of
+//!   [`WINDOW`] answers a sample;
+//! - while the throughput at the highest load read is still rising ([`RISING`] over the
+//!   nearest load read below it: the limit may grow past a bucket within one window, and an
+//!   unread bucket says nothing), and the requests press against the limit, the limit grows (a
+//!   fifth of its square root an answer), up to [`AHEAD`] buckets above the highest load read;
 //! - once it is no longer rising, the limit is the lowest load whose throughput is within
-//!   [`NEAR_BEST`] of the best, plus a fifth (past the knee the replica gains nothing, and
-//!   requests would only wait inside it, out of the router queue's order).
+//!   [`NEAR_BEST`] of the best, the lower edge of its bucket (past the knee the replica gains
+//!   nothing, and requests would only wait inside it, out of the router queue's order).
 //!
 //! A replica that streams moves its limit by its streams' first bytes instead (`limit.rs`).
 
@@ -32,7 +35,8 @@ const SMOOTHING: f64 = 0.25;
 /// Windows a bucket needs before it is read.
 const SAMPLES: u32 = 1;
 /// How far above the highest load read the limit may grow (in buckets, √2 apart): it does not
-/// outrun what the windows can tell.
+/// outrun what the windows can tell. (A window's load, the mean of the counts at its answers'
+/// dispatch and end, can read as low as half the limit when answers start and end together.)
 const AHEAD: usize = 2;
 /// The elasticity of the throughput to the load, from the bucket below the highest load read
 /// to it, that says "still rising": 1 when answers take as long at any load, about 0.5 near
@@ -147,10 +151,13 @@ impl Throughput {
         if bucket_of(load) != top {
             return self.held;
         }
-        let below = top.checked_sub(1).and_then(|bucket| {
-            let rate = self.rate(bucket)?;
-            Some((self.buckets[bucket].load, rate))
-        });
+        // The nearest load read below the top: the limit grows a bucket at a time, but a window
+        // may still land two buckets up (or an earlier one may be missing), and an unread
+        // bucket between says nothing of whether the top still rises.
+        let below = read
+            .len()
+            .checked_sub(2)
+            .map(|index| (self.buckets[read[index].0].load, read[index].1));
         let rising = below.is_none_or(|(below_load, below_rate)| {
             let loads = (self.buckets[top].load / below_load).ln();
             loads <= 0.0 || (top_rate / below_rate).ln() >= RISING * loads
@@ -213,17 +220,25 @@ mod tests {
             let load = limit.floor().max(1.0);
             throughput.record(load, engine(slots, growth, load));
             throughput.held = throughput.knee(load);
-            limit = throughput.held.unwrap_or(limit * 1.25).min(1000.0);
+            let ceiling = throughput.held.unwrap_or(f64::INFINITY);
+            limit = (limit * 1.25).min(ceiling).min(throughput.reach().max(4.0));
         }
         limit
     }
 
     #[test]
-    fn the_limit_settles_past_the_sequences_an_engine_batches_and_not_far_past() {
-        for (slots, growth) in [(8.0, 0.05), (8.0, 0.2), (32.0, 0.01), (100.0, 0.005)] {
+    fn the_limit_settles_within_a_bucket_under_the_sequences_an_engine_batches() {
+        for (slots, growth) in [
+            (4.0, 0.25),
+            (6.0, 0.05),
+            (8.0, 0.05),
+            (8.0, 0.2),
+            (32.0, 0.01),
+            (100.0, 0.005),
+        ] {
             let limit = settle(slots, growth);
             assert!(
-                limit >= 0.8 * slots && limit <= 1.8 * slots,
+                limit >= slots / 2f64.sqrt() && limit <= slots,
                 "{slots} sequences, growth {growth}: limit {limit}"
             );
         }
@@ -243,6 +258,15 @@ mod tests {
             throughput.record(6.0, 3.8);
         }
         assert_eq!(throughput.knee(6.0), Some(load_of(bucket_of(4.0))));
+        // Flat from 4 to 8 with the bucket between unread (the limit grew past it within one
+        // window): not rising, held at 4.
+        let mut skipped = Throughput::default();
+        for (load, rate) in [(2.0, 2.0), (4.0, 3.8), (8.0, 3.8)] {
+            for _ in 0..SAMPLES {
+                skipped.record(load, rate);
+            }
+        }
+        assert_eq!(skipped.knee(8.0), Some(4.0));
         // A window under the highest load read says nothing new.
         let mut held = throughput;
         held.held = Some(4.8);

@@ -496,14 +496,11 @@ async fn the_replica_answers_what_llm_routers_ask_of_a_vllm_worker() {
     );
 }
 
-/// With `usage` on, an OpenAI answer reports its prompt, completion and cached prompt tokens
-/// (vLLM's `prompt_tokens_details.cached_tokens`): in the document of a whole answer, and in a
-/// last event before `[DONE]` of a stream. A second request with the same prompt finds its full
-/// blocks cached.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answers_report_usage_with_the_cached_prompt_tokens() {
-    let config = SimConfig {
-        name: "u".into(),
+/// A stepped replica of 1 ms steps answering with `usage`, a prefix cache of 10,000 tokens in
+/// blocks of 16 (or `shared_cache`).
+fn usage_replica(name: &str, shared_cache: Option<sim::SharedCache>) -> SimConfig {
+    SimConfig {
+        name: name.into(),
         prefill_ms: 0.0,
         step_ms: 1.0,
         step_per_batch_ms: 0.0,
@@ -513,9 +510,18 @@ async fn answers_report_usage_with_the_cached_prompt_tokens() {
             token_budget: 2_048,
         },
         usage: true,
+        shared_cache,
         ..SimConfig::default()
-    };
-    let replica = sim::spawn(config).await.unwrap();
+    }
+}
+
+/// With `usage` on, an OpenAI answer reports its prompt, completion and cached prompt tokens
+/// (vLLM's `prompt_tokens_details.cached_tokens`): in the document of a whole answer, and in a
+/// last event before `[DONE]` of a stream. A second request with the same prompt finds its full
+/// blocks cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_report_usage_with_the_cached_prompt_tokens() {
+    let replica = sim::spawn(usage_replica("u", None)).await.unwrap();
     let prompt = "p".repeat(400);
     let whole = format!(r#"{{"prompt": "{prompt}", "max_tokens": 3}}"#);
     let (status, first) =
@@ -551,25 +557,13 @@ async fn answers_report_usage_with_the_cached_prompt_tokens() {
 /// of them computed; replicas with caches of their own do not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_sharing_a_prefix_cache_find_what_another_computed() {
-    let config = |name: &str, shared_cache| SimConfig {
-        name: name.into(),
-        prefill_ms: 0.0,
-        step_ms: 1.0,
-        step_per_batch_ms: 0.0,
-        prefix_cache_tokens: 10_000,
-        block_tokens: 16,
-        batching: Batching::Stepped {
-            token_budget: 2_048,
-        },
-        usage: true,
-        shared_cache,
-        ..SimConfig::default()
-    };
     // 100 prompt tokens: 6 full blocks, computed by the first replica, asked of the second.
     let body = format!(r#"{{"prompt": "{}", "max_tokens": 2}}"#, "q".repeat(400));
     for (shared, cached_on_second) in [(Some(sim::SharedCache::new(10_000, 16)), 96), (None, 0)] {
-        let first = sim::spawn(config("one", shared.clone())).await.unwrap();
-        let second = sim::spawn(config("two", shared)).await.unwrap();
+        let first = sim::spawn(usage_replica("one", shared.clone()))
+            .await
+            .unwrap();
+        let second = sim::spawn(usage_replica("two", shared)).await.unwrap();
         let mut cached = Vec::new();
         for replica in [&first, &second] {
             let (status, answer) =

@@ -210,11 +210,7 @@ pub fn all() -> Vec<Scenario> {
         priority_engine(),
         priority_engine_alone(),
     ];
-    all.extend(FLOOR_FORMS.iter().map(|&(name, models, routing)| Scenario {
-        name,
-        models,
-        kind: Kind::Routing(Box::new(routing())),
-    }));
+    all.extend(FLOOR_FORMS.iter().map(form_scenario));
     all.extend([
         prefix(),
         prefix_session(),
@@ -223,15 +219,7 @@ pub fn all() -> Vec<Scenario> {
         trace_conversation(),
         trace_synthetic(),
     ]);
-    all.extend(
-        CACHE_FLOORS
-            .iter()
-            .map(|&(name, models, routing)| Scenario {
-                name,
-                models,
-                kind: Kind::Routing(Box::new(routing())),
-            }),
-    );
+    all.extend(CACHE_FLOORS.iter().map(form_scenario));
     all.push(overhead());
     all
 }
@@ -656,6 +644,15 @@ fn whole(mut routing: Routing) -> Routing {
 /// A scenario given by its name, what it models and its routing.
 type Form = (&'static str, &'static str, fn() -> Routing);
 
+/// The scenario of a form.
+fn form_scenario(&(name, models, routing): &Form) -> Scenario {
+    Scenario {
+        name,
+        models,
+        kind: Kind::Routing(Box::new(routing())),
+    }
+}
+
 /// The floors and non-streamed forms.
 const FLOOR_FORMS: [Form; 12] = [
     (
@@ -953,15 +950,12 @@ fn trace_synthetic() -> Scenario {
     }
 }
 
-/// The window of the synthetic trace replayed.
+/// The window of the synthetic trace replayed: as the conversation trace's, a little slower.
 const SYNTHETIC_TRACE: Trace = Trace {
     file: "synthetic_trace.jsonl.gz",
     about: "Mooncake synthetic trace",
-    window_seconds: 300.0,
     speedup: 4.0,
-    tokens_per_block: 128,
-    output_scale: 0.25,
-    stream: true,
+    ..CONVERSATION_TRACE
 };
 
 // --- The floors of the prefix workloads. ---
@@ -1018,6 +1012,12 @@ fn overhead() -> Scenario {
 
 impl Routing {
     /// The simulator settings of replica `index` in `mode`.
+    /// The tokens of the prefix cache the replicas share when they pool theirs: all of their
+    /// capacity together.
+    pub fn pooled_cache_tokens(&self) -> u64 {
+        self.engine.prefix_cache_tokens * self.replicas.len() as u64
+    }
+
     pub fn sim_config(&self, index: usize, seed: u64, mode: Mode) -> SimConfig {
         let replica = &self.replicas[index];
         let mut faults = Faults::default();
@@ -1247,7 +1247,7 @@ impl Routing {
         } else if self.engine.pooled_prefix_cache {
             format!(
                 "; every replica reads and fills one prefix cache of {} tokens, their capacity together (the floor)",
-                self.engine.prefix_cache_tokens * self.replicas.len() as u64
+                self.pooled_cache_tokens()
             )
         } else {
             String::new()
@@ -1421,12 +1421,10 @@ async fn start_replicas(
     mode: Mode,
 ) -> Result<Vec<StartedReplica>, LabError> {
     let mut started = Vec::new();
-    let shared_cache = routing.engine.pooled_prefix_cache.then(|| {
-        SharedCache::new(
-            routing.engine.prefix_cache_tokens * routing.replicas.len() as u64,
-            routing.engine.block_tokens,
-        )
-    });
+    let shared_cache = routing
+        .engine
+        .pooled_prefix_cache
+        .then(|| SharedCache::new(routing.pooled_cache_tokens(), routing.engine.block_tokens));
     for (index, replica) in routing.replicas.iter().enumerate() {
         if replica.fault == ReplicaFault::RefusesConnections {
             started.push(StartedReplica {

@@ -38,8 +38,8 @@ const SAMPLES: u32 = 1;
 /// outrun what the windows can tell. (A window's load, the mean of the counts at its answers'
 /// dispatch and end, can read as low as half the limit when answers start and end together.)
 const AHEAD: usize = 2;
-/// The elasticity of the throughput to the load, from the bucket below the highest load read
-/// to it, that says "still rising": 1 when answers take as long at any load, about 0.5 near
+/// The elasticity of the throughput to the load, from the nearest load read below the highest
+/// one to it, that says "still rising": 1 when answers take as long at any load, about 0.5 near
 /// the sequences of an engine whose full batch steps 2.5 times slower than one sequence, 0
 /// past its sequences.
 const RISING: f64 = 0.25;
@@ -133,6 +133,15 @@ impl Throughput {
             .map_or(f64::INFINITY, |top| load_of(top + AHEAD + 1))
     }
 
+    /// The most the limit may be now: the held knee, and no more than [`Self::reach`] allows
+    /// (at least `initial`).
+    fn ceiling(&self, initial: f64) -> f64 {
+        self.held
+            .unwrap_or(f64::INFINITY)
+            .min(self.reach().max(initial))
+            .max(1.0)
+    }
+
     fn rate(&self, bucket: usize) -> Option<f64> {
         let bucket = self.buckets.get(bucket)?;
         (bucket.samples >= SAMPLES).then_some(bucket.rate)
@@ -191,12 +200,9 @@ impl LoadScore {
         }
         let grown = (1.0 - GROWTH_SMOOTHING) * state.limit
             + GROWTH_SMOOTHING * (state.limit + state.limit.sqrt());
-        let ceiling = throughput
-            .held
-            .unwrap_or(f64::INFINITY)
-            .min(throughput.reach().max(self.initial_limit))
-            .max(1.0);
-        state.limit = grown.min(ceiling).min(self.max_limit);
+        state.limit = grown
+            .min(throughput.ceiling(self.initial_limit))
+            .min(self.max_limit);
     }
 }
 
@@ -220,8 +226,7 @@ mod tests {
             let load = limit.floor().max(1.0);
             throughput.record(load, engine(slots, growth, load));
             throughput.held = throughput.knee(load);
-            let ceiling = throughput.held.unwrap_or(f64::INFINITY);
-            limit = (limit * 1.25).min(ceiling).min(throughput.reach().max(4.0));
+            limit = (limit * 1.25).min(throughput.ceiling(4.0));
         }
         limit
     }

@@ -30,6 +30,12 @@ const LOAD_SLACK: f64 = 2.0;
 /// 88-93 % with three; p50 and p99 lower).
 const LOCALITY_SLACK: f64 = 3.0;
 
+/// The share of its prompt a request must leave uncached on a backend for the prefill guard to
+/// pass that backend over: a request whose prompt the backend mostly holds adds little to its
+/// prefill queue, and would add most of it to another's, prefilled while that one's streams
+/// wait.
+const PREFILL_GUARDED_SHARE: f64 = 0.5;
+
 /// Requests a candidate may hold waiting for their first byte above `load_bound` × the fewest
 /// before the first-byte guard passes it over: the prefills of a step or two are not a queue.
 const AWAITING_SLACK: f64 = 8.0;
@@ -66,7 +72,8 @@ pub(super) struct Demand<'r> {
     /// already wait for their first byte on a candidate: `load_bound` times the mean over the
     /// candidates with this request's prompt added, or this request's prompt tokens if more
     /// (the candidate with the least always is within it). A replica busy prefilling long
-    /// prompts does not draw every long prompt after them because it holds few streams.
+    /// prompts does not draw every long prompt after them because it holds few streams. It
+    /// passes over only a backend that holds less than [`PREFILL_GUARDED_SHARE`] of the prompt.
     prefill_bound: Option<f64>,
     /// The first-byte guard for a request with a prompt: how many requests may already wait
     /// for their first byte on a candidate: `load_bound` times the fewest any candidate has,
@@ -293,10 +300,11 @@ impl LoadScore {
             return None;
         }
         let queued_prefill = backend.prefill_in_flight();
-        if demand
-            .prefill_bound
-            .is_some_and(|bound| queued_prefill as f64 > bound)
-        {
+        let uncached = demand.prompt_tokens.saturating_sub(matched);
+        if demand.prefill_bound.is_some_and(|bound| {
+            queued_prefill as f64 > bound
+                && uncached as f64 > PREFILL_GUARDED_SHARE * demand.prompt_tokens as f64
+        }) {
             return None;
         }
         if demand
@@ -316,7 +324,6 @@ impl LoadScore {
         // Its prefill waits for the prefill queued ahead of it, and stalls the decode steps of
         // every request in flight there while it runs (an engine's step carries both): a miss
         // on a busy replica costs its prefill once per sequence it holds up.
-        let uncached = demand.prompt_tokens.saturating_sub(matched);
         let stalled = 1 + in_flight as u64;
         let prefill = (queued_prefill + uncached * stalled) as f64
             * state.map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate);
@@ -421,6 +428,46 @@ mod tests {
         // Once A's documents have their first bytes, it takes the next one.
         set[0].prefilled(&documents);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
+    }
+
+    #[test]
+    fn a_replica_busy_prefilling_still_draws_requests_whose_prompt_it_holds() {
+        let set = vec![backend(33), backend(34), backend(35)];
+        let strategy = with_room(&set);
+        let request = tenant_chat_cached_on(&set[0], "thirteen");
+        let prompt = request.prompt_tokens();
+        // Each replica decodes 2 streams and prefills other prompts: A 9,000 tokens, B and C
+        // 1,000 each. A's queue is above the prefill guard's 1.25 × the mean with this prompt
+        // added.
+        let queued = |tokens| crate::backend::InFlightWork {
+            prefill: tokens,
+            output: 200,
+        };
+        for (replica, tokens) in set.iter().zip([9_000, 1_000, 1_000]) {
+            decoding(replica, 2, 200);
+            replica.acquire_work(&queued(tokens));
+        }
+        assert!(9_000.0 > 1.25 * (11_000 + prompt) as f64 / 3.0, "{prompt}");
+        // A holds the request's prompt: there it adds nothing to the prefill queue, anywhere else
+        // all of it, prefilled while streams wait. It goes to A.
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
+        // Holding only part of it, less than half, A is passed over as before.
+        let longer = chat(
+            &format!(
+                "{}{}",
+                "You are the assistant of tenant thirteen. ".repeat(400),
+                "More. ".repeat(3_000)
+            ),
+            "hello",
+        );
+        assert!(
+            set[0]
+                .prefixes()
+                .matched_blocks(&longer.prompt.as_ref().unwrap().blocks)
+                > 0
+        );
+        let pick = strategy.pick(&longer, (&set).into());
+        assert!(matches!(pick, Some(Pick { index: 1 | 2, .. })), "{pick:?}");
     }
 
     #[test]

@@ -1011,13 +1011,13 @@ fn overhead() -> Scenario {
 }
 
 impl Routing {
-    /// The simulator settings of replica `index` in `mode`.
     /// The tokens of the prefix cache the replicas share when they pool theirs: all of their
     /// capacity together.
     pub fn pooled_cache_tokens(&self) -> u64 {
         self.engine.prefix_cache_tokens * self.replicas.len() as u64
     }
 
+    /// The simulator settings of replica `index` in `mode`.
     pub fn sim_config(&self, index: usize, seed: u64, mode: Mode) -> SimConfig {
         let replica = &self.replicas[index];
         let mut faults = Faults::default();

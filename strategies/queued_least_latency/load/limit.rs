@@ -57,7 +57,7 @@ impl History {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Ceiling {
     /// The count that was one too many.
-    count: f64,
+    pub(super) count: f64,
     /// On-time first bytes still to see before the limit may reach `count` again.
     hold: u32,
     /// Failed probes in a row (the hold doubles with each, up to [`MAX_PROBE_BACKOFF`]).

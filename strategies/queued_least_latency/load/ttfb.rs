@@ -41,7 +41,11 @@ impl Learned {
     /// now, into the backend's fixed delay and prefill rate; returns what it was expected to
     /// take. Only a `certain` prefill (no part of the prompt possibly held beyond what the index
     /// predicted) teaches the rate: a prompt held but counted as uncached would make the
-    /// prefill look fast, and the rate follows the fastest samples.
+    /// prefill look fast, and the rate follows the fastest samples. A first byte while the
+    /// backend holds its [ceiling](super::limit::Ceiling)'s count or more (and more than this
+    /// request) does not raise the rate: it waited in the engine's own queue, and a rate that
+    /// took that wait for prefill would price every miss on a busy replica several times over
+    /// (the score) and hide its queue from the limit.
     pub(super) fn expect_first_byte(
         &mut self,
         ttfb: f64,
@@ -73,8 +77,15 @@ impl Learned {
         if prefill >= MIN_PREFILL_SAMPLE && certain {
             self.history.prefill_samples = self.history.prefill_samples.saturating_add(1);
             let sample = (ttfb - baseline).max(0.0) / prefill as f64;
+            let queued = busy > 1.0
+                && self
+                    .history
+                    .ceiling
+                    .is_some_and(|ceiling| busy >= ceiling.count);
             let weight = if sample < self.prefill_rate {
                 PREFILL_RATE_DOWN
+            } else if queued {
+                0.0
             } else {
                 PREFILL_RATE_UP
             };
@@ -121,6 +132,43 @@ mod tests {
             &first_byte_on(&replica, 1.02 + 8_000.0 * rate, 8_000, 0),
         );
         assert!(strategy.limit(&replica) < before);
+    }
+
+    #[test]
+    fn a_first_byte_that_waited_in_the_engines_own_queue_does_not_teach_the_prefill_rate() {
+        // A replica with 20 ms of fixed delay, prefilling 20,000 tokens a second, found a
+        // ceiling at 5 in flight (a fifth request waited inside it), then showed its rate on
+        // 4,000-token prompts with 4 in flight.
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(9);
+        find_a_ceiling(&strategy, &replica);
+        let rate = 1.0 / 20_000.0;
+        let prefill = 0.02 + 4_000.0 * rate;
+        for _ in 0..40 {
+            strategy.on_first_byte(&replica, &first_byte_on(&replica, prefill, 4_000, 0));
+        }
+        let learned = strategy.prefill_rate(&replica);
+        assert!((learned / rate - 1.0).abs() < 0.25, "{learned}");
+        // Sent past the ceiling (6 in flight), every first byte waits half a second in the
+        // engine's own queue on top: that wait is not prefill, and the rate stays.
+        busy(&replica, 2);
+        for _ in 0..200 {
+            strategy.on_first_byte(&replica, &first_byte_on(&replica, prefill + 0.5, 4_000, 0));
+        }
+        assert_eq!(strategy.prefill_rate(&replica), learned);
+        // The same first bytes of a request alone there do raise it (late ones lower the
+        // ceiling, down to one): a replica that became slower to prefill is learned again.
+        for _ in 0..5 {
+            replica.release();
+        }
+        for _ in 0..200 {
+            strategy.on_first_byte(&replica, &first_byte_on(&replica, prefill + 0.5, 4_000, 0));
+        }
+        assert!(
+            strategy.prefill_rate(&replica) > 2.0 * learned,
+            "{}",
+            strategy.prefill_rate(&replica)
+        );
     }
 
     #[test]

@@ -69,9 +69,9 @@
 //!   `load_bound` × the candidates' mean with this prompt added, or above this prompt's tokens
 //!   if more, unless it holds at least half of the prompt (the prefill guard); so is a backend
 //!   holding more requests without a first byte than `load_bound` × the fewest any candidate
-//!   holds + 8 (the first-byte guard: its engine queues them). The guards choose among the backends with room; when none with room is
-//!   within them all, the count guard alone is kept, and when none is within that either,
-//!   they are waived.
+//!   holds + 8 (the first-byte guard: its engine queues them). The guards choose among the
+//!   backends with room; when none with room is within them all, the count guard alone is
+//!   kept, and when none is within that either, they are waived.
 //! - *Score*: the expected time on the backend: relative cost × (work in flight + this
 //!   request's) ÷ the typical request's × the fleet's latency per concurrency slot, plus the
 //!   prefill of those queued there and of its uncached prompt tokens (less the prefix the

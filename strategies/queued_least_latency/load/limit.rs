@@ -44,6 +44,12 @@ impl History {
             None => f64::INFINITY,
         }
     }
+
+    /// Whether `busy` requests in flight reach the ceiling's count: past it, requests wait in
+    /// the engine's own queue.
+    pub(super) fn at_ceiling(&self, busy: f64) -> bool {
+        self.ceiling.is_some_and(|ceiling| busy >= ceiling.count)
+    }
 }
 
 /// A count of requests in flight found to be one too many: a request that took the last slot
@@ -57,7 +63,7 @@ impl History {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Ceiling {
     /// The count that was one too many.
-    pub(super) count: f64,
+    count: f64,
     /// On-time first bytes still to see before the limit may reach `count` again.
     hold: u32,
     /// Failed probes in a row (the hold doubles with each, up to [`MAX_PROBE_BACKOFF`]).

@@ -77,11 +77,7 @@ impl Learned {
         if prefill >= MIN_PREFILL_SAMPLE && certain {
             self.history.prefill_samples = self.history.prefill_samples.saturating_add(1);
             let sample = (ttfb - baseline).max(0.0) / prefill as f64;
-            let queued = busy > 1.0
-                && self
-                    .history
-                    .ceiling
-                    .is_some_and(|ceiling| busy >= ceiling.count);
+            let queued = busy > 1.0 && self.history.at_ceiling(busy);
             let weight = if sample < self.prefill_rate {
                 PREFILL_RATE_DOWN
             } else if queued {

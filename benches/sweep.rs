@@ -5,6 +5,7 @@
 //! cargo bench --bench sweep                          # draws 0 to 31, seed 1
 //! cargo bench --bench sweep -- --draws 8 --first 8   # draws 8 to 15
 //! cargo bench --bench sweep -- --strategy 'queued-least-latency:load_bound=1.5'
+//! cargo bench --bench sweep -- --merge a --merge b --out ab   # sweeps a and b as one report
 //! ```
 //!
 //! Reports go to `target/bench-sweep/` (`sweep.md`, `sweep.json`, `sweep.svg`, the distribution
@@ -38,6 +39,10 @@ struct Args {
     /// Leave the LLM routers out.
     #[arg(long)]
     no_llm_routers: bool,
+    /// Run nothing: read the sweeps written to these directories (`sweep.json`, same seed and
+    /// peer measured, draws run apart with `--first`) as one report (repeatable).
+    #[arg(long, value_name = "DIR")]
+    merge: Vec<PathBuf>,
     /// Output directory.
     #[arg(long, default_value = "target/bench-sweep")]
     out: PathBuf,
@@ -58,11 +63,16 @@ fn main() -> ExitCode {
         router_binary: PathBuf::from(env!("CARGO_BIN_EXE_custom-router")),
         command: command_line(),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let report = match runtime.block_on(lab::run_sweep(&options)) {
+    let report = if args.merge.is_empty() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        runtime.block_on(lab::run_sweep(&options))
+    } else {
+        lab::sweep::SweepReport::merged(&args.merge, &options.command, lab::report::utc_now())
+    };
+    let report = match report {
         Ok(report) => report,
         Err(error) => {
             eprintln!("sweep: {error}");

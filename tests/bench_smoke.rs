@@ -1125,3 +1125,83 @@ mod gateways {
         );
     }
 }
+
+/// A `sweep.json` as the sweep writes it: `draws` of seed 1, the default against one peer.
+fn sweep_json(command: &str, seed: u64, draws: &[usize]) -> serde_json::Value {
+    let results: Vec<serde_json::Value> = draws
+        .iter()
+        .map(|&index| {
+            serde_json::json!({
+                "draw": { "index": index },
+                "peers": [
+                    ["queued-least-latency", { "Ok": { "latency_p50_s": 2.0, "latency_p99_s": 6.0, "slo_pct": 90.0 } }],
+                    ["nginx-least-conn", { "Err": "it did not start" }]
+                ],
+                "p50_ratio": 0.5 + index as f64,
+                "p99_ratio": null,
+                "goodput_ratio": 1.0
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "command": command,
+        "date_utc": "2026-12-06 12:00",
+        "seed": seed,
+        "default": "queued-least-latency",
+        "draws": results,
+    })
+}
+
+#[test]
+fn sweeps_run_apart_merge_into_one_report_in_draw_order() {
+    let root =
+        std::env::temp_dir().join(format!("custom-router-sweep-merge-{}", std::process::id()));
+    let write = |name: &str, json: serde_json::Value| {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("sweep.json"), json.to_string()).unwrap();
+        dir
+    };
+    let later = write("later", sweep_json("sweep --first 2 --draws 2", 1, &[2, 3]));
+    let first = write("first", sweep_json("sweep --draws 2", 1, &[0, 1]));
+    let merged = lab::sweep::SweepReport::merged(
+        &[later.clone(), first.clone()],
+        "sweep --merge later --merge first",
+        "now".to_owned(),
+    )
+    .unwrap();
+    let indices: Vec<usize> = merged.draws.iter().map(|d| d.draw.index).collect();
+    assert_eq!(indices, [0, 1, 2, 3]);
+    // Each draw's physics is drawn again from the seed and its number.
+    assert_eq!(
+        merged.draws[2].draw.describe(),
+        lab::sweep::draw(1, 2).describe()
+    );
+    let markdown = merged.markdown();
+    assert!(
+        markdown.contains(
+            "command: `sweep --first 2 --draws 2; sweep --draws 2; sweep --merge later --merge first`"
+        ),
+        "{markdown}"
+    );
+    assert!(
+        markdown.contains("p50 ratio: 1 of 4 draws ≤ 1.0; median 2.50, worst 3.50"),
+        "{markdown}"
+    );
+    assert!(
+        markdown.contains("nginx-least-conn failed: it did not start"),
+        "{markdown}"
+    );
+    // A draw in two sweeps, or sweeps of different seeds, are refused with the reason.
+    let again = write("again", sweep_json("sweep --first 1 --draws 1", 1, &[1]));
+    let error = lab::sweep::SweepReport::merged(&[first.clone(), again], "m", "now".to_owned())
+        .err()
+        .unwrap();
+    assert_eq!(error.to_string(), "draw 1 is in two sweeps");
+    let other = write("other", sweep_json("sweep --seed 2", 2, &[5]));
+    let error = lab::sweep::SweepReport::merged(&[first, other], "m", "now".to_owned())
+        .err()
+        .unwrap();
+    assert!(error.to_string().contains("seed 2"), "{error}");
+    let _ = std::fs::remove_dir_all(&root);
+}

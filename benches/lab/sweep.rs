@@ -451,6 +451,41 @@ impl DrawResult {
     }
 }
 
+impl DrawResult {
+    /// A draw's result as `sweep.json` holds it, its physics drawn again from `seed` and its
+    /// number.
+    fn read(seed: u64, json: &serde_json::Value) -> Option<Self> {
+        let index = usize::try_from(json.get("draw")?.get("index")?.as_u64()?).ok()?;
+        let peers = json
+            .get("peers")?
+            .as_array()?
+            .iter()
+            .map(|peer| {
+                let name = peer.get(0)?.as_str()?.to_owned();
+                let outcome = peer.get(1)?;
+                let outcome = match (outcome.get("Ok"), outcome.get("Err")) {
+                    (Some(metrics), _) => Ok(metrics
+                        .as_object()?
+                        .iter()
+                        .filter_map(|(key, value)| Some((key.clone(), value.as_f64()?)))
+                        .collect()),
+                    (None, Some(error)) => Err(error.as_str()?.to_owned()),
+                    (None, None) => return None,
+                };
+                Some((name, outcome))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let ratio = |name: &str| json.get(name).and_then(serde_json::Value::as_f64);
+        Some(Self {
+            draw: draw(seed, index),
+            peers,
+            p50_ratio: ratio("p50_ratio"),
+            p99_ratio: ratio("p99_ratio"),
+            goodput_ratio: ratio("goodput_ratio"),
+        })
+    }
+}
+
 /// The whole sweep.
 #[derive(Debug, Serialize)]
 pub struct SweepReport {
@@ -467,6 +502,79 @@ pub struct SweepReport {
 }
 
 impl SweepReport {
+    /// The sweeps written to `dirs` (each one's `sweep.json`) read as one report, its draws in
+    /// order: draws run apart (`--first`) are one sweep when they share the seed and the peer
+    /// measured. Each draw's physics is drawn again from the seed and its number; the peers'
+    /// numbers and the ratios are read as written.
+    pub fn merged(
+        dirs: &[std::path::PathBuf],
+        command: &str,
+        date_utc: String,
+    ) -> Result<Self, LabError> {
+        let mut commands = Vec::new();
+        let mut seed_and_default: Option<(u64, String)> = None;
+        let mut draws: Vec<DrawResult> = Vec::new();
+        for dir in dirs {
+            let path = dir.join("sweep.json");
+            let text = std::fs::read_to_string(&path)
+                .map_err(|error| LabError::new(format!("{}: {error}", path.display())))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|error| LabError::new(format!("{}: {error}", path.display())))?;
+            let field = |name: &str| {
+                json.get(name)
+                    .ok_or_else(|| LabError::new(format!("{}: no `{name}`", path.display())))
+            };
+            let seed = field("seed")?.as_u64().unwrap_or_default();
+            let default = field("default")?.as_str().unwrap_or_default().to_owned();
+            match &seed_and_default {
+                None => seed_and_default = Some((seed, default)),
+                Some(first) if *first == (seed, default.clone()) => {}
+                Some((first_seed, first_default)) => {
+                    return Err(LabError::new(format!(
+                        "{}: seed {seed} and peer `{default}`, where the first sweep has seed {first_seed} and `{first_default}`",
+                        path.display()
+                    )));
+                }
+            }
+            commands.push(field("command")?.as_str().unwrap_or_default().to_owned());
+            let Some(results) = field("draws")?.as_array() else {
+                return Err(LabError::new(format!(
+                    "{}: `draws` is not a list",
+                    path.display()
+                )));
+            };
+            for result in results {
+                draws.push(DrawResult::read(seed, result).ok_or_else(|| {
+                    LabError::new(format!(
+                        "{}: a draw without its number or peers",
+                        path.display()
+                    ))
+                })?);
+            }
+        }
+        let Some((seed, default)) = seed_and_default else {
+            return Err(LabError::new("no sweep to merge"));
+        };
+        draws.sort_by_key(|result| result.draw.index);
+        if let Some(twice) = draws
+            .windows(2)
+            .find(|pair| pair[0].draw.index == pair[1].draw.index)
+        {
+            return Err(LabError::new(format!(
+                "draw {} is in two sweeps",
+                twice[0].draw.index
+            )));
+        }
+        commands.push(command.to_owned());
+        Ok(Self {
+            command: commands.join("; "),
+            date_utc,
+            seed,
+            default,
+            draws,
+        })
+    }
+
     /// The markdown report: the distribution, then every draw.
     pub fn markdown(&self) -> String {
         let mut text = String::new();

@@ -449,9 +449,7 @@ impl DrawResult {
             peers,
         }
     }
-}
 
-impl DrawResult {
     /// A draw's result as `sweep.json` holds it, its physics drawn again from `seed` and its
     /// number.
     fn read(seed: u64, json: &serde_json::Value) -> Option<Self> {
@@ -516,40 +514,39 @@ impl SweepReport {
         let mut draws: Vec<DrawResult> = Vec::new();
         for dir in dirs {
             let path = dir.join("sweep.json");
-            let text = std::fs::read_to_string(&path)
-                .map_err(|error| LabError::new(format!("{}: {error}", path.display())))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|error| LabError::new(format!("{}: {error}", path.display())))?;
-            let field = |name: &str| {
-                json.get(name)
-                    .ok_or_else(|| LabError::new(format!("{}: no `{name}`", path.display())))
+            let at =
+                |what: &dyn std::fmt::Display| LabError::new(format!("{}: {what}", path.display()));
+            let text = std::fs::read_to_string(&path).map_err(|error| at(&error))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|error| at(&error))?;
+            let field = |name: &str| json.get(name).ok_or_else(|| at(&format!("no `{name}`")));
+            let text_field = |name: &str| {
+                field(name)?
+                    .as_str()
+                    .ok_or_else(|| at(&format!("`{name}` is not a string")))
             };
-            let seed = field("seed")?.as_u64().unwrap_or_default();
-            let default = field("default")?.as_str().unwrap_or_default().to_owned();
+            let seed = field("seed")?
+                .as_u64()
+                .ok_or_else(|| at(&"`seed` is not a whole number"))?;
+            let default = text_field("default")?.to_owned();
             match &seed_and_default {
                 None => seed_and_default = Some((seed, default)),
                 Some(first) if *first == (seed, default.clone()) => {}
                 Some((first_seed, first_default)) => {
-                    return Err(LabError::new(format!(
-                        "{}: seed {seed} and peer `{default}`, where the first sweep has seed {first_seed} and `{first_default}`",
-                        path.display()
+                    return Err(at(&format!(
+                        "seed {seed} and peer `{default}`, where the first sweep has seed {first_seed} and `{first_default}`"
                     )));
                 }
             }
-            commands.push(field("command")?.as_str().unwrap_or_default().to_owned());
-            let Some(results) = field("draws")?.as_array() else {
-                return Err(LabError::new(format!(
-                    "{}: `draws` is not a list",
-                    path.display()
-                )));
-            };
+            commands.push(text_field("command")?.to_owned());
+            let results = field("draws")?
+                .as_array()
+                .ok_or_else(|| at(&"`draws` is not a list"))?;
             for result in results {
-                draws.push(DrawResult::read(seed, result).ok_or_else(|| {
-                    LabError::new(format!(
-                        "{}: a draw without its number or peers",
-                        path.display()
-                    ))
-                })?);
+                draws.push(
+                    DrawResult::read(seed, result)
+                        .ok_or_else(|| at(&"a draw without its number or peers"))?,
+                );
             }
         }
         let Some((seed, default)) = seed_and_default else {

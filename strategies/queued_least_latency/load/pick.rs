@@ -245,20 +245,13 @@ mod tests {
 
     #[test]
     fn when_the_guards_disagree_the_count_guard_is_kept() {
-        // Both replicas hold the tenant's prompt, and have limits of 32: near them, the
-        // headroom adds 2.7 requests (0.5 × (32 − 20.5) − 3, times the part of the prompt
-        // held). A: 10 long answers (10,000 tokens of work, past the load guard's 9,180); B: 30
-        // short ones (3,000 tokens, but 30 requests, past the count guard's 25.55 + 2.7). No
-        // backend is within every guard: capacity comes first, and the request goes to A,
-        // where an engine has sequences to spare, not to B, whose lighter work would win the
-        // score.
+        // Both replicas hold the tenant's prompt. A: 10 long answers (10,000 tokens of work,
+        // past the load guard's 8,300); B: 30 short ones (3,000 tokens, but 30 requests, past
+        // the count guard's 25.55). No backend is within every guard: capacity comes first,
+        // and the request goes to A, where an engine has sequences to spare, not to B, whose
+        // lighter work would win the score.
         let set = vec![backend(16), backend(17)];
-        let strategy = with_initial_limit(32.0);
-        for replica in &set {
-            for _ in 0..23 {
-                strategy.on_first_byte(replica, &first_byte(0.02, 0, 0));
-            }
-        }
+        let strategy = with_room_for_many(&set);
         let request = tenant_chat_cached_on(&set[0], "twelve");
         set[1]
             .prefixes()
@@ -266,8 +259,8 @@ mod tests {
         decoding(&set[0], 10, 1_000);
         decoding(&set[1], 30, 100);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
-        // With 16 (within the count guard's 17.85 + 6.1 for a replica holding the prompt), B
-        // is within every guard and wins.
+        // With 16 (within the count guard's 17.85 for a replica holding the prompt), B is
+        // within every guard and wins.
         for _ in 0..14 {
             set[1].release_work(
                 &crate::backend::InFlightWork {

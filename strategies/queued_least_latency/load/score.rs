@@ -30,16 +30,6 @@ const LOAD_SLACK: f64 = 2.0;
 /// 88-93 % with three; p50 and p99 lower).
 const LOCALITY_SLACK: f64 = 3.0;
 
-/// The share of the room its limit leaves above the count share that a backend holding the
-/// whole prompt may fill, where that is more than [`LOCALITY_SLACK`] requests (in count, and in
-/// typical requests' work); one holding part of it, that part of the excess. An engine far below
-/// its concurrency runs a few more streams at little cost to each (its step grows a little),
-/// while a miss elsewhere computes the prompt again and stalls that engine's streams while it
-/// does. Near the limit (the room under it small) the slack alone applies, and a backend holding
-/// a few blocks of a long prompt gains little room: what locality saves is the part held.
-/// Within the room, the score weighs the load against the prefill.
-const LOCALITY_HEADROOM: f64 = 0.5;
-
 /// The share of its prompt a request must leave uncached on a backend for the prefill guard to
 /// pass that backend over: a request whose prompt the backend mostly holds adds little to its
 /// prefill queue, and would add most of it to another's, prefilled while that one's streams
@@ -68,14 +58,13 @@ pub(super) struct Demand<'r> {
     /// relative cost, a candidate may already hold: its share of the work in flight with this
     /// request added, plus [`LOCALITY_SLACK`] typical requests, plus `load_bound`'s multiple of
     /// the share above it up to as many again ([`guard_bound`]; the least loaded candidate is
-    /// always within it), plus, far below the backend's limit, the typical requests of its
-    /// [`LOCALITY_HEADROOM`]. It applies to backends that hold part of the prompt: locality is
-    /// what could pile up.
+    /// always within it). It applies to backends that hold part of the prompt: locality is what
+    /// could pile up.
     bound: Option<f64>,
     /// The count guard's share: a candidate's equal share of the requests in flight with this
     /// one added. A candidate may already hold that many plus [`LOAD_SLACK`] requests, or
-    /// [`LOCALITY_SLACK`] and its [`LOCALITY_HEADROOM`] when it holds part of the prompt, the
-    /// load guard's room ([`guard_bound`]). Work weighs a request by its answer's length, but an engine fills up
+    /// [`LOCALITY_SLACK`] when it holds part of the prompt, the load guard's room
+    /// ([`guard_bound`]). Work weighs a request by its answer's length, but an engine fills up
     /// by sequences and KV cache: many short answers past its share overflow it as surely as a
     /// few long ones.
     count_share: Option<f64>,
@@ -296,21 +285,8 @@ impl LoadScore {
         }
         let relative = relative_cost(fleet, state);
         let held = backend.work_in_flight() as f64;
-        // Requests of room past the locality slack for a backend holding part of the prompt, in
-        // proportion to the part it holds.
-        let headroom = match demand.count_share {
-            Some(share) if matched > 0 => {
-                let held = (matched as f64 / demand.prompt_tokens as f64).min(1.0);
-                held * (LOCALITY_HEADROOM * (limit - share) - LOCALITY_SLACK).max(0.0)
-            }
-            _ => 0.0,
-        };
         // The guard is for locality: a backend that holds none of the prompt draws nothing to it.
-        if matched > 0
-            && demand
-                .bound
-                .is_some_and(|bound| held * relative > bound + headroom * demand.typical_output)
-        {
+        if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
             return None;
         }
         let count_slack = if matched > 0 {
@@ -319,7 +295,7 @@ impl LoadScore {
             LOAD_SLACK
         };
         if demand.count_share.is_some_and(|share| {
-            in_flight as f64 > guard_bound(self.load_bound, share, count_slack) + headroom
+            in_flight as f64 > guard_bound(self.load_bound, share, count_slack)
         }) {
             return None;
         }
@@ -519,9 +495,8 @@ mod tests {
 
     #[test]
     fn the_load_guard_allows_a_few_requests_above_the_share_whatever_the_scale() {
-        // Engines of 256 sequences whose limits were learned at 264.
         let set = vec![backend(12), backend(13)];
-        let strategy = with_initial_limit(264.0);
+        let strategy = with_initial_limit(1000.0);
         for replica in &set {
             for _ in 0..100 {
                 strategy.on_first_byte(replica, &first_byte(0.02, 0, 0));
@@ -534,49 +509,17 @@ mod tests {
         decoding(&set[0], 4, 200);
         decoding(&set[1], 2, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
-        // Hundreds in flight, near the limit: 258 against 240 is within the share (249.5) + 3 +
-        // 3 (the multiple's part is capped at three requests, in count and in work, for the
-        // replica holding the prompt) + 4.25 (half the room the limit leaves above the share,
-        // less the three); 262 against 240 is not (260.75), though the limit has room for two
-        // more. A multiple of 1.1 would let the cached engine hold 274, 34 more than its peer:
-        // past its capacity when the fleet is nearly full.
+        // Hundreds in flight: 258 against 248 is within the share (253.5) + 3 + 3 (the
+        // multiple's part is capped at three requests, in count and in work, for the replica
+        // holding the prompt; a replica holding none of it has two and two, 257.5); 262
+        // against 248 is not. A multiple of 1.1 would let the cached engine hold 277, 30 more
+        // than its peer: past its capacity when the fleet is nearly full (engines of 256
+        // sequences).
         decoding(&set[0], 254, 200);
-        decoding(&set[1], 238, 200);
+        decoding(&set[1], 246, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
         decoding(&set[0], 4, 200);
         assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
-    }
-
-    #[test]
-    fn far_below_its_limit_a_replica_keeps_a_tenant_past_the_locality_slack() {
-        // Two replicas with a limit of 64, the first holding the tenant's prompt.
-        let set = vec![backend(16), backend(17)];
-        let strategy = with_room_for_many(&set);
-        assert_eq!(strategy.limit(&set[0]), 64.0);
-        let request = tenant_chat_cached_on(&set[0], "twelve");
-        // 12 against 2: past the share (7.5) + 3 + 0.1 × the share, but the first replica has
-        // 56 of its 64 slots free: half the room above the share (28.25) is its slack, and the
-        // request stays where its prompt is cached rather than be computed again elsewhere.
-        decoding(&set[0], 12, 200);
-        decoding(&set[1], 2, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
-        // 55 against 20: the share is 38, half the room above it 13 (10 more than the slack of
-        // three): at most 38 + 3 + 3 + 10 = 54 in count. The request goes to the second.
-        decoding(&set[0], 43, 200);
-        decoding(&set[1], 18, 200);
-        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
-        // A replica holding none of the prompt has no such room: 12 short answers against 2
-        // long ones (less work) go past the count guard's two requests, and a short chat goes
-        // to the second replica.
-        let other = vec![backend(18), backend(19)];
-        let strategy = with_room_for_many(&other);
-        decoding(&other[0], 12, 20);
-        decoding(&other[1], 2, 200);
-        let cold = chat("Be brief.", "hi");
-        assert_eq!(strategy.pick(&cold, (&other).into()), Some(Pick::at(1)));
-        // Within the count's slack, the lighter work wins.
-        decoding(&other[1], 6, 200);
-        assert_eq!(strategy.pick(&cold, (&other).into()), Some(Pick::at(0)));
     }
 
     #[test]

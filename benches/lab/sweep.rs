@@ -25,7 +25,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::load::Lengths;
 use super::peer::PeerSpec;
@@ -451,37 +451,58 @@ impl DrawResult {
     }
 
     /// A draw's result as `sweep.json` holds it, its physics drawn again from `seed` and its
-    /// number.
-    fn read(seed: u64, json: &serde_json::Value) -> Option<Self> {
-        let index = usize::try_from(json.get("draw")?.get("index")?.as_u64()?).ok()?;
-        let peers = json
-            .get("peers")?
-            .as_array()?
-            .iter()
-            .map(|peer| {
-                let name = peer.get(0)?.as_str()?.to_owned();
-                let outcome = peer.get(1)?;
-                let outcome = match (outcome.get("Ok"), outcome.get("Err")) {
-                    (Some(metrics), _) => Ok(metrics
-                        .as_object()?
-                        .iter()
-                        .filter_map(|(key, value)| Some((key.clone(), value.as_f64()?)))
-                        .collect()),
-                    (None, Some(error)) => Err(error.as_str()?.to_owned()),
-                    (None, None) => return None,
-                };
-                Some((name, outcome))
+    /// number (a metric written as `null`, not a number, is left out).
+    fn read(seed: u64, written: WrittenDraw) -> Self {
+        let peers = written
+            .peers
+            .into_iter()
+            .map(|(name, outcome)| {
+                let outcome = outcome.map(|metrics| {
+                    metrics
+                        .into_iter()
+                        .filter_map(|(key, value)| Some((key, value?)))
+                        .collect()
+                });
+                (name, outcome)
             })
-            .collect::<Option<Vec<_>>>()?;
-        let ratio = |name: &str| json.get(name).and_then(serde_json::Value::as_f64);
-        Some(Self {
-            draw: draw(seed, index),
+            .collect();
+        Self {
+            draw: draw(seed, written.draw.index),
             peers,
-            p50_ratio: ratio("p50_ratio"),
-            p99_ratio: ratio("p99_ratio"),
-            goodput_ratio: ratio("goodput_ratio"),
-        })
+            p50_ratio: written.p50_ratio,
+            p99_ratio: written.p99_ratio,
+            goodput_ratio: written.goodput_ratio,
+        }
     }
+}
+
+/// A `sweep.json` as the sweep writes it ([`SweepReport`]), read back by
+/// [`SweepReport::merged`].
+#[derive(Deserialize)]
+struct WrittenSweep {
+    command: String,
+    seed: u64,
+    default: String,
+    draws: Vec<WrittenDraw>,
+}
+
+/// A [`DrawResult`] as `sweep.json` holds it: the draw by its number only.
+#[derive(Deserialize)]
+struct WrittenDraw {
+    draw: WrittenIndex,
+    peers: Vec<(String, Result<WrittenMetrics, String>)>,
+    p50_ratio: Option<f64>,
+    p99_ratio: Option<f64>,
+    goodput_ratio: Option<f64>,
+}
+
+/// A peer's numbers as `sweep.json` holds them: a number that was not finite is `null`.
+type WrittenMetrics = std::collections::BTreeMap<String, Option<f64>>;
+
+/// A draw's number, as `sweep.json` holds it.
+#[derive(Deserialize)]
+struct WrittenIndex {
+    index: usize,
 }
 
 /// The whole sweep.
@@ -517,37 +538,24 @@ impl SweepReport {
             let at =
                 |what: &dyn std::fmt::Display| LabError::new(format!("{}: {what}", path.display()));
             let text = std::fs::read_to_string(&path).map_err(|error| at(&error))?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).map_err(|error| at(&error))?;
-            let field = |name: &str| json.get(name).ok_or_else(|| at(&format!("no `{name}`")));
-            let text_field = |name: &str| {
-                field(name)?
-                    .as_str()
-                    .ok_or_else(|| at(&format!("`{name}` is not a string")))
-            };
-            let seed = field("seed")?
-                .as_u64()
-                .ok_or_else(|| at(&"`seed` is not a whole number"))?;
-            let default = text_field("default")?.to_owned();
+            let sweep: WrittenSweep = serde_json::from_str(&text).map_err(|error| at(&error))?;
+            let (seed, default) = (sweep.seed, sweep.default);
             match &seed_and_default {
                 None => seed_and_default = Some((seed, default)),
-                Some(first) if *first == (seed, default.clone()) => {}
+                Some(first) if first.0 == seed && first.1 == default => {}
                 Some((first_seed, first_default)) => {
                     return Err(at(&format!(
                         "seed {seed} and peer `{default}`, where the first sweep has seed {first_seed} and `{first_default}`"
                     )));
                 }
             }
-            commands.push(text_field("command")?.to_owned());
-            let results = field("draws")?
-                .as_array()
-                .ok_or_else(|| at(&"`draws` is not a list"))?;
-            for result in results {
-                draws.push(
-                    DrawResult::read(seed, result)
-                        .ok_or_else(|| at(&"a draw without its number or peers"))?,
-                );
-            }
+            commands.push(sweep.command);
+            draws.extend(
+                sweep
+                    .draws
+                    .into_iter()
+                    .map(|written| DrawResult::read(seed, written)),
+            );
         }
         let Some((seed, default)) = seed_and_default else {
             return Err(LabError::new("no sweep to merge"));

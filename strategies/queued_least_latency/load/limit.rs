@@ -59,7 +59,10 @@ impl History {
 /// further failure (the probe costs the request that makes it a wait in the replica's own
 /// queue, out of the router queue's order). A request whose prompt the backend holds in part
 /// may still go up to the limit: waiting inside the engine that holds its prefix is worth more
-/// to it than a free slot elsewhere.
+/// to it than a free slot elsewhere. Nor does a ceiling hold a backend well below the fleet's
+/// mean count in flight (the score's `Demand::mean_in_flight`): it is read off first bytes
+/// judged against an expected time that may be wrong, and there least-loaded would send the
+/// request.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Ceiling {
     /// The count that was one too many.

@@ -68,6 +68,16 @@ pub(super) struct Demand<'r> {
     /// by sequences and KV cache: many short answers past its share overflow it as surely as a
     /// few long ones.
     count_share: Option<f64>,
+    /// The fleet's mean count of requests in flight, for a request with a prompt: a held
+    /// [`Ceiling`] does not keep this request from a backend whose count, with it, stays
+    /// [`LOAD_SLACK`] or more below that mean. A ceiling comes from first bytes judged late
+    /// against what the backend was expected to take, and that expectation can be wrong (a
+    /// prefill rate read low makes the first bytes of long prompts look late on a replica with
+    /// sequences to spare); that far below the mean, least-loaded would send the request there,
+    /// and the router routes no worse. Closer to the mean the ceiling holds: on replicas kept
+    /// at their sequences, the counts move around the mean, and a ceiling waived there lets
+    /// requests into engines' own queues, out of the router queue's order.
+    mean_in_flight: Option<f64>,
     /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
     /// already wait for their first byte on a candidate: `load_bound` times the mean over the
     /// candidates with this request's prompt added, or this request's prompt tokens if more
@@ -150,6 +160,7 @@ impl<'r> Demand<'r> {
             )
         });
         let count_share = guarded.then(|| (in_flight + 1) as f64 / count_f);
+        let mean_in_flight = guarded.then(|| in_flight as f64 / count_f);
         let prompt_tokens = request.prompt_tokens() as f64;
         let prefill_bound = guarded.then(|| {
             (strategy.load_bound * (queued_prefill as f64 + prompt_tokens) / count_f)
@@ -165,6 +176,7 @@ impl<'r> Demand<'r> {
             typical_output,
             bound,
             count_share,
+            mean_in_flight,
             prefill_bound,
             awaiting_bound,
             now: Some(Instant::now()),
@@ -275,12 +287,17 @@ impl LoadScore {
             return None;
         }
         let matched = demand.matched_tokens(backend);
-        // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]).
-        if demand.ceilings
-            && in_flight > 0
-            && matched == 0
-            && state.is_some_and(|rank| (in_flight as f64) + 1.0 > rank.cap)
-        {
+        // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]) or
+        // stays well below the fleet's mean count with this request
+        // ([`Demand::mean_in_flight`]).
+        let busier = |rank: Rank| {
+            let count = in_flight as f64 + 1.0;
+            count > rank.cap
+                && demand
+                    .mean_in_flight
+                    .is_none_or(|mean| count > mean - LOAD_SLACK)
+        };
+        if demand.ceilings && in_flight > 0 && matched == 0 && state.is_some_and(busier) {
             return None;
         }
         let relative = relative_cost(fleet, state);
@@ -383,6 +400,38 @@ mod tests {
         assert_eq!(strategy.pick(&cached, (&set).into()), Some(Pick::at(0)));
         busy(&replica, 1);
         assert_eq!(strategy.pick(&cached, (&set).into()), Some(Pick::at(0)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ceiling_does_not_hold_a_replica_well_below_the_fleets_mean_count() {
+        // A replica whose ceiling holds a fifth request back (4 in flight), beside two with
+        // room to spare.
+        let (held, a, b) = (backend(58), backend(59), backend(60));
+        let set = vec![Arc::clone(&held), Arc::clone(&a), Arc::clone(&b)];
+        let strategy = with_room(&set);
+        find_a_ceiling(&strategy, &held);
+        assert_eq!(held.in_flight(), 4);
+        assert!(strategy.limit_without_prefix(&held) < 5.0);
+        assert!(strategy.limit(&held) > 5.0, "{}", strategy.limit(&held));
+        let cold = chat(&"A new tenant's system prompt. ".repeat(400), "hello");
+        // With 4 in flight on each, a fifth would take the held replica past the fleet's mean:
+        // the ceiling holds, and the request goes to a replica with room. With 8 on each of the
+        // others (a mean of 6.7), its fifth would still be within 2 of the mean: it holds.
+        for others in [4, 8] {
+            busy(&a, others - a.in_flight());
+            busy(&b, others - b.in_flight());
+            let pick = strategy.pick(&cold, (&set).into());
+            assert!(
+                matches!(pick, Some(Pick { index: 1 | 2, .. })),
+                "{others}: {pick:?}"
+            );
+        }
+        // With 9 on each (a mean of 7.3), the fifth keeps it more than 2 below the mean:
+        // least-loaded would send the request there, and so does the score (its prefill there
+        // stalls the fewest streams).
+        busy(&a, 1);
+        busy(&b, 1);
+        assert_eq!(strategy.pick(&cold, (&set).into()), Some(Pick::at(0)));
     }
 
     #[test]

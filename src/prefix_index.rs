@@ -45,7 +45,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::prompt;
+use crate::prompt::{self, Prompt};
 
 /// Marks the end of the LRU list.
 const NIL: u32 = u32::MAX;
@@ -118,6 +118,26 @@ impl PrefixIndex {
         }
         let lru = self.lock();
         lru.prefix(blocks, |block| lru.holds(block)).0
+    }
+
+    /// How many leading blocks of `prompt` the backend holds: [`Self::matched_blocks`] of its
+    /// blocks, with the chat's last answer where the index holds the prompt up to it
+    /// ([`Prompt::held_blocks`]).
+    pub fn held_blocks(&self, prompt: &Prompt) -> usize {
+        prompt.held_blocks(self.matched_blocks(&prompt.blocks))
+    }
+
+    /// Records `prompt`'s blocks ([`Self::record`]) and returns what the backend held of it
+    /// before, the chat's last answer counted as [`Self::held_blocks`] counts it.
+    pub fn record_prompt(&self, prompt: &Prompt) -> Recall {
+        let recall = self.record(&prompt.blocks);
+        let held = prompt.held_blocks(recall.held);
+        Recall {
+            held,
+            // Stale blocks the answer's credit covers count as held.
+            stale: recall.stale.saturating_sub(held - recall.held),
+            ..recall
+        }
     }
 
     /// Records that a prompt with these blocks was routed here: they become the most recently
@@ -751,5 +771,50 @@ mod tests {
         assert!(bytes <= 1 << 20, "{bytes} bytes");
         assert!(bytes >= capacity * 32, "{bytes} bytes");
         eprintln!("{bytes} bytes for {capacity} blocks");
+    }
+
+    /// A chat of a 506-byte question (two blocks), then `answer` and "next" when given.
+    fn turn(answer: Option<&str>) -> Prompt {
+        let question = "q".repeat(506);
+        let mut messages = vec![serde_json::json!({"role": "user", "content": question})];
+        if let Some(answer) = answer {
+            messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+            messages.push(serde_json::json!({"role": "user", "content": "next"}));
+        }
+        let body = serde_json::json!({"messages": messages}).to_string();
+        Prompt::of_body(body.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_chats_last_answer_is_held_where_the_turn_that_wrote_it_ran() {
+        let (turn1, turn2) = (turn(None), turn(Some(&"a".repeat(501))));
+        assert_eq!((turn1.blocks.len(), turn2.answer), (2, Some((2, 4))));
+        let ran_it = PrefixIndex::new(100 * TPB);
+        sent(&ran_it, &turn1.blocks);
+        sent(&ran_it, &chain(40, 3));
+        // The index recorded the question only; the engine cached the answer with it.
+        assert_eq!(ran_it.matched_blocks(&turn2.blocks), 2);
+        assert_eq!(ran_it.held_blocks(&turn2), 4);
+        let recall = ran_it.record_prompt(&turn2);
+        assert_eq!((recall.held, recall.held_age, recall.stale), (4, 3, 0));
+        // Another backend saw none of the chat.
+        let other = PrefixIndex::new(100 * TPB);
+        sent(&other, &chain(41, 3));
+        assert_eq!(other.held_blocks(&turn2), 0);
+        assert_eq!(other.record_prompt(&turn2), Recall::default());
+        // The whole turn recorded, then its answer's blocks past the reach while the question's
+        // are young again: the stale answer blocks count as held.
+        let index = PrefixIndex::new(100 * TPB);
+        index.set_reach_blocks(30);
+        sent(&index, &turn2.blocks);
+        sent(&index, &chain(42, 35));
+        sent(&index, &turn1.blocks);
+        let before = index.record(&turn2.blocks);
+        index.release(&turn2.blocks);
+        assert_eq!((before.held, before.stale), (2, 2));
+        sent(&index, &chain(43, 35));
+        sent(&index, &turn1.blocks);
+        let recall = index.record_prompt(&turn2);
+        assert_eq!((recall.held, recall.stale), (4, 0));
     }
 }

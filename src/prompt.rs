@@ -38,6 +38,15 @@
 //! what a chat template adds per message) divided by [`BYTES_PER_TOKEN`], rounded up, so the full
 //! blocks never cover more tokens than the prompt has.
 //!
+//! # The last answer
+//!
+//! An engine caches the blocks of an answer with the prompt that asked for it (vLLM and SGLang
+//! keep a finished sequence's generated blocks in their prefix cache), and a chat's next turn
+//! resends that answer as its last `assistant` message. A router's index records the prompts it
+//! sent, never the answers, so it would see only the previous question held where the previous
+//! turn ran. [`Prompt::answer`] is the span of blocks of the chat's last `assistant` message, and
+//! [`Prompt::held_blocks`] counts it as held by a backend that holds the prompt up to it.
+//!
 //! # The conversation key
 //!
 //! [`Prompt::conversation`] hashes a prefix of the prompt text:
@@ -111,6 +120,10 @@ pub struct Prompt {
     pub blocks: Box<[u64]>,
     /// The conversation the prompt belongs to (see the module docs for what it covers).
     pub conversation: u64,
+    /// The chat's last `assistant` message as a span of [`Self::blocks`]: the block its first byte
+    /// falls in, and the number of full blocks before its end (`None` for a chat without one and
+    /// for completions and TGI prompts). See [`Self::held_blocks`].
+    pub answer: Option<(u32, u32)>,
 }
 
 impl Prompt {
@@ -140,9 +153,26 @@ impl Prompt {
                 .or(fields.max_completion_tokens)
                 .or(fields.max_new_tokens),
             stream: fields.stream,
+            answer: chain
+                .answer
+                .map(|(a, b)| ((a / BLOCK_BYTES) as u32, (b / BLOCK_BYTES) as u32)),
             blocks: chain.into_blocks(),
             conversation,
         })
+    }
+
+    /// The leading blocks of the prompt a backend holds when its prefix index holds `matched`
+    /// of them: all of the chat's last answer too ([`Self::answer`]) when the index holds every
+    /// block before the answer's first, since the backend then ran the turn that wrote it (see
+    /// the module docs). A backend holding none of the prompt holds none of the answer, even one
+    /// that starts in the first block.
+    pub fn held_blocks(&self, matched: usize) -> usize {
+        match self.answer {
+            Some((start, end)) if matched > 0 && matched >= start as usize => {
+                matched.max((end as usize).min(self.blocks.len()))
+            }
+            _ => matched,
+        }
     }
 
     /// The tokens that `blocks` full blocks cover.
@@ -159,6 +189,7 @@ struct Chain {
     last: u64,
     bytes: usize,
     hashes: Vec<u64>,
+    answer: Option<(usize, usize)>,
 }
 
 impl Drop for Chain {
@@ -179,6 +210,7 @@ impl Chain {
             last: CHAIN_SEED,
             bytes: 0,
             hashes: SCRATCH.with(Cell::take),
+            answer: None,
         }
     }
 
@@ -424,12 +456,16 @@ impl<'de> Visitor<'de> for MessagesSeed<'_> {
         let mut conversation = None;
         while let Some(message) = seq.next_element::<Message>()? {
             let role = message.role.map(text_of).unwrap_or_default();
+            let start = self.chain.bytes;
             self.chain.feed(role);
             self.chain.feed(&[ROLE_END]);
             if let Some(content) = message.content {
                 feed_content(self.chain, content);
             }
             self.chain.feed(&[MESSAGE_END]);
+            if role == b"assistant" {
+                self.chain.answer = Some((start, self.chain.bytes));
+            }
             if conversation.is_none() && role == b"user" {
                 conversation = Some(self.chain.fingerprint());
             }
@@ -744,5 +780,70 @@ mod tests {
         // A body that is not a prompt leaves the list empty for the next one too.
         assert!(Prompt::of_body(br#"{"prompt": "unterminated"#).is_none());
         assert_eq!(of(json!({"prompt": big})), long);
+    }
+
+    #[test]
+    fn prompt_answer_is_the_block_span_of_the_chats_last_assistant_message() {
+        // "user" 0x00 q 0x1E: 512 bytes, two blocks; "assistant" 0x00 a 0x1E: 512 more.
+        let question = text(506, 30);
+        let answer = text(501, 31);
+        let turn1 = of(chat(&[("user", &question)]));
+        assert_eq!((turn1.blocks.len(), turn1.answer), (2, None));
+        let turn2 = of(chat(&[
+            ("user", &question),
+            ("assistant", &answer),
+            ("user", "next"),
+        ]));
+        assert_eq!((turn2.blocks.len(), turn2.answer), (4, Some((2, 4))));
+        // An answer that does not start or end on a block boundary: the block it starts in,
+        // and the full blocks before its end.
+        let turn2b = of(chat(&[
+            ("user", &question[..400]),
+            ("assistant", &answer[..300]),
+            ("user", &text(300, 32)),
+        ]));
+        // It runs from byte 406 to 717: block 1 to the two full blocks before byte 717.
+        assert_eq!(turn2b.answer, Some((1, 2)));
+        // Of several answers, the last one; completions and TGI prompts have none.
+        let turn3 = of(chat(&[
+            ("user", &question),
+            ("assistant", &answer),
+            ("user", &question),
+            ("assistant", &answer),
+            ("user", "next"),
+        ]));
+        assert_eq!(turn3.answer, Some((6, 8)));
+        assert_eq!(of(json!({"prompt": question})).answer, None);
+        assert_eq!(of(json!({"inputs": question})).answer, None);
+    }
+
+    #[test]
+    fn a_backend_holding_a_chat_up_to_its_last_answer_holds_the_answer() {
+        let question = text(506, 33);
+        let turn2 = of(chat(&[
+            ("user", &question),
+            ("assistant", &text(501, 34)),
+            ("user", "next"),
+        ]));
+        // The turn before ran there (its two blocks held): the answer's two blocks are held.
+        assert_eq!(turn2.held_blocks(2), 4);
+        // Held further than the answer's start (the same turn sent there before): as held.
+        assert_eq!(turn2.held_blocks(3), 4);
+        assert_eq!(turn2.held_blocks(4), 4);
+        // Held short of the answer's start: the backend did not run the turn that wrote it.
+        assert_eq!(turn2.held_blocks(1), 1);
+        assert_eq!(turn2.held_blocks(0), 0);
+        // No answer: what the index holds.
+        let turn1 = of(chat(&[("user", &question)]));
+        assert_eq!(turn1.held_blocks(1), 1);
+        // An answer starting in the first block: held only by a backend holding some of the
+        // prompt.
+        let opened = of(chat(&[
+            ("assistant", &text(1000, 35)),
+            ("user", &text(600, 36)),
+        ]));
+        assert_eq!(opened.answer, Some((0, 3)));
+        assert_eq!(opened.held_blocks(0), 0);
+        assert_eq!(opened.held_blocks(1), 3);
     }
 }

@@ -184,6 +184,63 @@ async fn the_access_log_shows_the_band_and_the_prompt_tokens_the_backend_had_cac
     );
 }
 
+/// Engines cache an answer with the prompt that asked for it: a chat's next turn, which resends
+/// the answer, finds it cached where the turn that wrote it ran, and the access log counts it so.
+#[tokio::test]
+async fn the_access_log_counts_a_chats_last_answer_cached_where_its_turn_ran() {
+    let backend = named_backend("logged").await;
+    let router = spawn_router_process(&[
+        ("CUSTOM_ROUTER_BACKENDS", &backend.host_port()),
+        ("CUSTOM_ROUTER_ACCESS_LOG", "true"),
+    ]);
+    // "user" 0x00 question 0x1E: 512 bytes, 128 tokens in two full blocks.
+    let question = "q".repeat(506);
+    let chat = |question: &str, answer: Option<&str>| {
+        let mut messages = vec![serde_json::json!({"role": "user", "content": question})];
+        if let Some(answer) = answer {
+            // "assistant" 0x00 answer 0x1E: 512 bytes more; "user" 0x00 "next" 0x1E: 10.
+            messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+            messages.push(serde_json::json!({"role": "user", "content": "next"}));
+        }
+        let body = serde_json::json!({"messages": messages, "max_tokens": 8}).to_string();
+        http::Request::post(format!("http://{}/v1/chat/completions", router.addr))
+            .body(full(body))
+            .unwrap()
+    };
+    let answer = "a".repeat(501);
+    let other = "o".repeat(506);
+    for request in [
+        chat(&question, None),
+        chat(&question, Some(&answer)),
+        chat(&other, Some(&answer)),
+    ] {
+        let (status, _, _) = send(request).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    let seen: Vec<_> = access_log_lines(&router, 3)
+        .await
+        .iter()
+        .map(|line| {
+            (
+                line["prompt_tokens"].clone(),
+                line["uncached_tokens"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            // The first turn: nothing cached.
+            (128.into(), 128.into()),
+            // The second: 1,034 bytes, 259 tokens; the question and the answer (four blocks,
+            // 256 tokens) cached where the first turn ran.
+            (259.into(), 3.into()),
+            // Another chat with the same answer text: its first question never ran there.
+            (259.into(), 259.into()),
+        ]
+    );
+}
+
 fn hangup(router: &ChildRouter) {
     let status = std::process::Command::new("kill")
         .args(["-HUP", &router.child.id().to_string()])

@@ -43,6 +43,7 @@ fn costing(cost: u32) -> RequestInfo {
             stream: false,
             blocks: Box::new([]),
             conversation: 0,
+            answer: None,
         })),
         ..RequestInfo::default()
     }

@@ -399,6 +399,7 @@ async fn engine_waiting_counts_for_requests_without_a_prompt() {
             stream: false,
             blocks: Box::new([]),
             conversation: 0,
+            answer: None,
         })),
         ..RequestInfo::default()
     })

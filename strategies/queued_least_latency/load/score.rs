@@ -43,8 +43,8 @@ const AWAITING_SLACK: f64 = 8.0;
 /// What one pick needs of the fleet and of the request, gathered once per pick.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Demand<'r> {
-    /// The request's prompt blocks (empty without a prompt).
-    pub(super) blocks: &'r [u64],
+    /// The request's prompt (`None` without one).
+    pub(super) prompt: Option<&'r Prompt>,
     /// The request's prompt tokens.
     pub(super) prompt_tokens: u64,
     /// Its expected output tokens.
@@ -169,7 +169,7 @@ impl<'r> Demand<'r> {
         let awaiting_bound =
             guarded.then_some(strategy.load_bound * fewest_awaiting as f64 + AWAITING_SLACK);
         Self {
-            blocks: prompt.map_or(&[], |p| &p.blocks),
+            prompt,
             prompt_tokens: request.prompt_tokens(),
             output,
             unit: mean_latency / (limits / count_f).max(1.0),
@@ -193,10 +193,12 @@ impl Demand<'_> {
     /// The prompt tokens `backend`'s prefix index says it holds (0 for a request without a
     /// prompt).
     pub(super) fn matched_tokens(&self, backend: &Backend) -> u64 {
-        if self.prompt_tokens == 0 {
-            return 0;
+        match self.prompt {
+            Some(prompt) if self.prompt_tokens > 0 => {
+                Prompt::blocks_tokens(backend.prefixes().held_blocks(prompt))
+            }
+            _ => 0,
         }
-        Prompt::blocks_tokens(backend.prefixes().matched_blocks(self.blocks))
     }
 
     /// Whether the guards apply to this pick.

@@ -69,14 +69,17 @@ pub(super) struct Demand<'r> {
     /// few long ones.
     count_share: Option<f64>,
     /// The fleet's mean count of requests in flight, for a request with a prompt: a held
-    /// [`Ceiling`] does not keep this request from a backend whose count, with it, stays
-    /// [`LOAD_SLACK`] or more below that mean. A ceiling comes from first bytes judged late
-    /// against what the backend was expected to take, and that expectation can be wrong (a
-    /// prefill rate read low makes the first bytes of long prompts look late on a replica with
-    /// sequences to spare); that far below the mean, least-loaded would send the request there,
-    /// and the router routes no worse. Closer to the mean the ceiling holds: on replicas kept
-    /// at their sequences, the counts move around the mean, and a ceiling waived there lets
-    /// requests into engines' own queues, out of the router queue's order.
+    /// [`Ceiling`] does not keep this request from a backend whose count, with it and weighed
+    /// by the backend's relative cost, stays [`LOAD_SLACK`] or more below that mean. A ceiling
+    /// comes from first bytes judged late against what the backend was expected to take, and
+    /// that expectation can be wrong (a prefill rate read low makes the first bytes of long
+    /// prompts look late on a replica with sequences to spare); that far below the mean, the
+    /// backend's requests take less time than a typical backend's, least-loaded would send the
+    /// request there, and the router routes no worse. The relative cost keeps a slow replica's
+    /// low count from reading as room: its ceiling is its speed, not a misreading. Closer to
+    /// the mean the ceiling holds: on replicas kept at their sequences, the counts move around
+    /// the mean, and a ceiling waived there lets requests into engines' own queues, out of the
+    /// router queue's order.
     mean_in_flight: Option<f64>,
     /// The prefill guard for a request with a prompt: how many uncached prompt tokens may
     /// already wait for their first byte on a candidate: `load_bound` times the mean over the
@@ -289,20 +292,20 @@ impl LoadScore {
             return None;
         }
         let matched = demand.matched_tokens(backend);
+        let relative = relative_cost(fleet, state);
         // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]) or
-        // stays well below the fleet's mean count with this request
-        // ([`Demand::mean_in_flight`]).
+        // stays well below the fleet's mean count with this request, its count weighed by its
+        // relative cost ([`Demand::mean_in_flight`]).
         let busier = |rank: Rank| {
             let count = in_flight as f64 + 1.0;
             count > rank.cap
                 && demand
                     .mean_in_flight
-                    .is_none_or(|mean| count > mean - LOAD_SLACK)
+                    .is_none_or(|mean| count * relative > mean - LOAD_SLACK)
         };
         if demand.ceilings && in_flight > 0 && matched == 0 && state.is_some_and(busier) {
             return None;
         }
-        let relative = relative_cost(fleet, state);
         let held = backend.work_in_flight() as f64;
         // The guard is for locality: a backend that holds none of the prompt draws nothing to it.
         if matched > 0 && demand.bound.is_some_and(|bound| held * relative > bound) {
@@ -433,6 +436,35 @@ mod tests {
         // stalls the fewest streams).
         busy(&a, 1);
         busy(&b, 1);
+        assert_eq!(strategy.pick(&cold, (&set).into()), Some(Pick::at(0)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ceiling_holds_a_slow_replica_whose_low_count_is_its_speed() {
+        // As above, but the held replica's answers take six times as long as the others' (a
+        // relative cost of about 2.25): its low count is what its speed allows,
+        // not room.
+        let (held, a, b) = (backend(61), backend(62), backend(63));
+        let set = vec![Arc::clone(&held), Arc::clone(&a), Arc::clone(&b)];
+        let strategy = with_room(&set);
+        for _ in 0..5 {
+            strategy.on_outcome(&held, &streamed(6.0, 0.02));
+            strategy.on_outcome(&a, &streamed(1.0, 0.02));
+            strategy.on_outcome(&b, &streamed(1.0, 0.02));
+        }
+        find_a_ceiling(&strategy, &held);
+        assert_eq!(held.in_flight(), 4);
+        let cold = chat(&"A new tenant's system prompt. ".repeat(400), "hello");
+        // With 15 on each of the others (a mean of 11.3), a fifth request would leave a
+        // replica of typical speed more than 2 below the mean, but this one's five weigh as
+        // eleven typical requests: the ceiling holds, and the request waits for room.
+        busy(&a, 15 - a.in_flight());
+        busy(&b, 15 - b.in_flight());
+        let pick = strategy.pick(&cold, (&set).into());
+        assert!(pick.is_none_or(|pick| pick.index != 0), "{pick:?}");
+        // Far enough below the mean, even weighed, it takes the request.
+        busy(&a, 5);
+        busy(&b, 5);
         assert_eq!(strategy.pick(&cold, (&set).into()), Some(Pick::at(0)));
     }
 

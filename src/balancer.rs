@@ -852,8 +852,9 @@ pub struct Finish {
     pub usage: Option<Usage>,
 }
 
-/// What `backend`'s index held of `prompt` ([`crate::prefix_index::PrefixIndex::record_prompt`]); the prompt is
-/// recorded there: it is about to be sent to it.
+/// What `backend`'s index held of `prompt`
+/// ([`crate::prefix_index::PrefixIndex::record_prompt`]); the prompt is recorded there: it is
+/// about to be sent to it.
 fn recall(backend: &Backend, prompt: &Prompt) -> Recall {
     backend.prefixes().record_prompt(prompt)
 }

@@ -442,8 +442,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_ceiling_holds_a_slow_replica_whose_low_count_is_its_speed() {
         // As above, but the held replica's answers take six times as long as the others' (a
-        // relative cost of about 2.25): its low count is what its speed allows,
-        // not room.
+        // relative cost of about 2.25): its low count is what its speed allows, not room.
         let (held, a, b) = (backend(61), backend(62), backend(63));
         let set = vec![Arc::clone(&held), Arc::clone(&a), Arc::clone(&b)];
         let strategy = with_room(&set);

@@ -21,8 +21,8 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn scratch_dir() -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("custom-router-audit-admin-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("custom-router-audit-admin-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }

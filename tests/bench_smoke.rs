@@ -32,8 +32,8 @@ fn smoke_options(out_dir: PathBuf) -> lab::SuiteOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_smoke_suite_reports_every_scenario_and_strategy() {
-    let out_dir =
-        std::env::temp_dir().join(format!("custom-router-bench-smoke-{}", std::process::id()));
+    let out_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("custom-router-bench-smoke-{}", std::process::id()));
     let options = smoke_options(out_dir.clone());
     let started = Instant::now();
     let report = lab::run_suite(&options).await.expect("the suite runs");
@@ -1154,8 +1154,8 @@ fn sweep_json(command: &str, seed: u64, draws: &[usize]) -> serde_json::Value {
 
 #[test]
 fn sweeps_run_apart_merge_into_one_report_in_draw_order() {
-    let root =
-        std::env::temp_dir().join(format!("custom-router-sweep-merge-{}", std::process::id()));
+    let root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("custom-router-sweep-merge-{}", std::process::id()));
     let write = |name: &str, json: serde_json::Value| {
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();

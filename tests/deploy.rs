@@ -66,7 +66,7 @@ fn the_block_scalar_extraction_keeps_the_whole_block() {
 
 #[test]
 fn the_configmap_holds_a_valid_router_config() {
-    let path = std::env::temp_dir().join(format!(
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "custom-router-deploy-configmap-{}.toml",
         std::process::id()
     ));

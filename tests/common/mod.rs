@@ -717,7 +717,7 @@ pub fn tls_certs(names: &[&str]) -> TestCerts {
     .with_no_client_auth()
     .with_single_cert(vec![cert], key)
     .unwrap();
-    let ca_file = std::env::temp_dir().join(format!(
+    let ca_file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "custom-router-test-ca-{}-{}.pem",
         std::process::id(),
         CA_FILES.fetch_add(1, Ordering::SeqCst)

@@ -20,15 +20,8 @@ use http::{Request, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn scratch_dir() -> PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("custom-router-audit-admin-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn scratch_file(name: &str, text: &str) -> PathBuf {
-    let path = scratch_dir().join(name);
+    let path = scratch_dir("audit-admin").join(name);
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -265,7 +258,7 @@ fn the_documented_unknown_key_error_is_what_the_router_prints() {
         })
         .expect("example in docs")
         .to_owned();
-    let dir = scratch_dir().join("unknown-key");
+    let dir = scratch_dir("audit-admin").join("unknown-key");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("router.toml"), "foo = 1\n").unwrap();
     let output = router_command(&[])

@@ -19,10 +19,7 @@ use serde_json::Value;
 const PATIENCE: Duration = Duration::from_secs(10);
 
 fn scratch_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("custom-router-config-input-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+    let path = scratch_dir("config-input").join(name);
     std::fs::write(&path, text).unwrap();
     path
 }

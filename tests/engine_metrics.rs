@@ -261,10 +261,7 @@ fn check_config(env: &[(&str, &str)], file: Option<&str>) -> (i32, String, Strin
     let mut command = router_command(env);
     command.arg("--check-config");
     if let Some(text) = file {
-        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("custom-router-engine-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{:x}.toml", fxhash(text)));
+        let path = common::scratch_dir("engine").join(format!("{:x}.toml", fxhash(text)));
         std::fs::write(&path, text).unwrap();
         command.arg("--config").arg(path);
     }

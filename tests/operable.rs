@@ -266,9 +266,7 @@ async fn reloads(router: &ChildRouter, result: &str) -> u64 {
 async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps_requests_in_flight()
  {
     let slow = slow_backend(Duration::from_millis(600)).await;
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("custom-router-reload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch_dir("reload");
     let file = dir.join("router.toml");
     let write = |text: &str| std::fs::write(&file, text).unwrap();
     write(&format!(

@@ -13,10 +13,7 @@ use sha2::{Digest, Sha256};
 
 /// Writes `text` to a fresh file under the target temp dir.
 fn config_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("custom-router-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+    let path = scratch_dir("test").join(name);
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -173,8 +170,7 @@ fn each_config_error_exits_2_with_one_line_naming_the_key() {
     let negative = config_file("negative.toml", "[queue]\ntimeout = -1\n");
     let bad_cidr = config_file("cidr.toml", "[admin]\nbackend_allow_cidrs = [\"nope\"]\n");
     let bad_list = config_file("list.toml", "backends = [1]\n");
-    let missing =
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("custom-router-no-such-file.toml");
+    let missing = scratch_dir("test").join("no-such-file.toml");
     let missing = missing.to_str().unwrap();
     let cases: Vec<ErrorCase> = vec![
         (

@@ -700,6 +700,15 @@ pub struct TestCerts {
 
 static CA_FILES: AtomicUsize = AtomicUsize::new(0);
 
+/// This test process's scratch directory for `label` (created), under Cargo's per-target temp
+/// dir: files the tests hand to a router (configs, CA certificates) stay out of the system's.
+pub fn scratch_dir(label: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("custom-router-{label}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 pub fn tls_certs(names: &[&str]) -> TestCerts {
     use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
     let certified =
@@ -717,11 +726,8 @@ pub fn tls_certs(names: &[&str]) -> TestCerts {
     .with_no_client_auth()
     .with_single_cert(vec![cert], key)
     .unwrap();
-    let ca_file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "custom-router-test-ca-{}-{}.pem",
-        std::process::id(),
-        CA_FILES.fetch_add(1, Ordering::SeqCst)
-    ));
+    let ca_file =
+        scratch_dir("test-ca").join(format!("{}.pem", CA_FILES.fetch_add(1, Ordering::SeqCst)));
     std::fs::write(&ca_file, certified.cert.pem()).unwrap();
     TestCerts {
         acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),

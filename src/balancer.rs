@@ -360,6 +360,7 @@ impl Balancer {
             } else {
                 None
             },
+            ahead_of_older: false,
         }
     }
 
@@ -673,12 +674,24 @@ impl Balancer {
             let Some(head) = queue.get(place) else {
                 break;
             };
-            let choice = match self.pick_excluding(&head.info, &backends, &head.excluded) {
+            // A request the queue's order puts ahead of an older one is told so (a copy of what
+            // the strategy sees, made only then).
+            let ahead;
+            let info = if queue.ahead_of_older(place) {
+                ahead = RequestInfo {
+                    ahead_of_older: true,
+                    ..head.info.clone()
+                };
+                &ahead
+            } else {
+                &head.info
+            };
+            let choice = match self.pick_excluding(info, &backends, &head.excluded) {
                 Some(choice) => choice,
                 // A retry waiting for a backend it has not tried holds up no one: with others
                 // queued behind it, it takes a backend it tried that has room now.
                 None if !head.excluded.is_empty() && queue.len() > 1 => {
-                    match self.pick_excluding(&head.info, &backends, &[]) {
+                    match self.pick_excluding(info, &backends, &[]) {
                         Some(choice) => choice,
                         None => break,
                     }
@@ -1247,6 +1260,66 @@ mod tests {
             .unwrap();
         drop(third);
         assert_eq!(index.matched_blocks(&blocks), 0);
+    }
+
+    /// Takes one request at a time on the first backend; keeps each taken request's key and
+    /// whether it came ahead of an older one.
+    #[derive(Default)]
+    struct OneAtATime {
+        taken: std::sync::Mutex<Vec<(Option<u64>, bool)>>,
+    }
+
+    impl Strategy for OneAtATime {
+        fn name(&self) -> &'static str {
+            "one-at-a-time"
+        }
+
+        fn pick(&self, request: &RequestInfo, candidates: Candidates<'_>) -> Option<Pick> {
+            let (index, backend) = candidates.iter().next()?;
+            if backend.in_flight() > 0 {
+                return None;
+            }
+            let taken = (request.key, request.ahead_of_older);
+            self.taken.lock().unwrap().push(taken);
+            Some(Pick::at(index))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_strategy_sees_which_queued_requests_go_ahead_of_older_ones() {
+        let strategy = Arc::new(OneAtATime::default());
+        let balancer = Balancer::new(Tuning::default(), strategy.clone()).unwrap();
+        balancer.set_backends(vec!["127.0.0.1:9".parse().unwrap()]);
+        let keyed = |key| RequestInfo {
+            key: Some(key),
+            ..RequestInfo::default()
+        };
+        let first = balancer.admit(keyed(0)).await.unwrap();
+        // A normal request queues, then a high one: the high one goes first, past the older.
+        let normal = tokio::spawn({
+            let balancer = Arc::clone(&balancer);
+            async move { balancer.admit(keyed(1)).await }
+        });
+        tokio::task::yield_now().await;
+        let high = tokio::spawn({
+            let balancer = Arc::clone(&balancer);
+            let admission = Admission {
+                band: Band::High,
+                ..Admission::default()
+            };
+            async move { balancer.admit_as(keyed(2), admission).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(balancer.queue_depth(), 2);
+        drop(first);
+        let high = high.await.unwrap().unwrap();
+        drop(high);
+        let normal = normal.await.unwrap().unwrap();
+        drop(normal);
+        assert_eq!(
+            *strategy.taken.lock().unwrap(),
+            [(Some(0), false), (Some(2), true), (Some(1), false)]
+        );
     }
 
     /// Takes every request on the first backend, those sent while it already holds one past its

@@ -31,6 +31,11 @@ pub struct RequestInfo {
     /// The prompt of an LLM request, when the strategy reads prompts
     /// ([`Strategy::reads_prompts`]) and the body is one the core understands.
     pub prompt: Option<Arc<Prompt>>,
+    /// Whether the router queue dispatches it ahead of a request queued before it (a higher
+    /// band, or a tenant under its fair share): the queue's order put it first, so the strategy
+    /// must not send it where it would wait inside a backend on purpose (a probe of a held
+    /// limit). False for a request picked without waiting.
+    pub ahead_of_older: bool,
 }
 
 impl RequestInfo {

@@ -441,6 +441,16 @@ impl Queue {
         Some(Place { band, tenant, seq })
     }
 
+    /// Whether a request queued before the one at `place` still waits: the queue's order (a
+    /// higher band, a tenant under its fair share, an aged request) puts `place` ahead of it.
+    pub(super) fn ahead_of_older(&self, place: Place) -> bool {
+        self.bands.iter().any(|band| {
+            band.arrivals
+                .first()
+                .is_some_and(|&(seq, _)| seq < place.seq)
+        })
+    }
+
     /// The lowest band holding requests: the one a full queue evicts from.
     pub(super) fn lowest_band(&self) -> Option<Band> {
         Band::ALL
@@ -702,6 +712,37 @@ mod tests {
             );
         }
         assert!(queue.is_empty());
+    }
+
+    #[test]
+    fn a_request_is_ahead_of_older_ones_only_where_the_order_passes_them_over() {
+        let start = Instant::now();
+        let aging = Duration::from_secs(60);
+        let mut queue = Queue::default();
+        // Tenant 1 queues two requests, then tenant 2 one: the first of tenant 1 goes first,
+        // in the order they queued; then tenant 2's (its share) before tenant 1's older second.
+        let first = push_tenant(&mut queue, 1, start);
+        let second = push_tenant(&mut queue, 1, start);
+        let other = push_tenant(&mut queue, 2, start);
+        assert_eq!(queue.next(start, aging), Some(first));
+        assert!(!queue.ahead_of_older(first));
+        assert!(queue.dispatch(first, start, aging).is_some());
+        assert_eq!(queue.next(start, aging), Some(other));
+        assert!(queue.ahead_of_older(other));
+        assert!(queue.dispatch(other, start, aging).is_some());
+        assert!(!queue.ahead_of_older(second));
+        assert!(queue.dispatch(second, start, aging).is_some());
+        // A high request queued after a normal one goes before it.
+        let normal = push(&mut queue, start);
+        let (reply, _) = oneshot::channel();
+        let high = Admission {
+            band: Band::High,
+            ..Admission::default()
+        };
+        let high = queue.push(RequestInfo::default(), Vec::new(), &high, 1, start, reply);
+        assert_eq!(queue.next(start, aging), Some(high));
+        assert!(queue.ahead_of_older(high));
+        assert!(!queue.ahead_of_older(normal));
     }
 
     #[test]

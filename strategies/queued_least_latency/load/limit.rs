@@ -45,6 +45,14 @@ impl History {
         }
     }
 
+    /// The limit a held ceiling sets for a request that must not probe it (one the router queue
+    /// put ahead of an older request: a probe may wait inside the replica): just below its
+    /// count, hold or not, and none without a ceiling.
+    pub(super) fn held_cap(&self) -> f64 {
+        self.ceiling
+            .map_or(f64::INFINITY, |ceiling| ceiling.count - 0.5)
+    }
+
     /// Whether `busy` requests in flight reach the ceiling's count: past it, requests wait in
     /// the engine's own queue.
     pub(super) fn at_ceiling(&self, busy: f64) -> bool {

@@ -127,6 +127,8 @@ struct Rank {
     /// The limit for a request none of whose prompt the backend holds: below a held ceiling
     /// ([`History::cap`]).
     cap: f64,
+    /// That limit for a request that must not probe a held ceiling ([`History::held_cap`]).
+    held_cap: f64,
     own: f64,
     coverage: u8,
     prefill_rate: f64,
@@ -183,6 +185,7 @@ impl Learned {
         Rank {
             limit: self.limit,
             cap: self.history.cap(),
+            held_cap: self.history.held_cap(),
             own: self.own,
             coverage: self.coverage,
             prefill_rate: self.prefill_rate,
@@ -199,6 +202,8 @@ struct Slot {
     limit: AtomicU64,
     /// [`History::cap`], as `f64` bits.
     cap: AtomicU64,
+    /// [`History::held_cap`], as `f64` bits.
+    held_cap: AtomicU64,
     /// [`Learned::own`], as `f64` bits.
     own: AtomicU64,
     /// [`Learned::coverage`].
@@ -221,6 +226,7 @@ impl Slot {
         (self.generation.load(Ordering::Relaxed) == generation).then(|| Rank {
             limit: f64::from_bits(self.limit.load(Ordering::Relaxed)),
             cap: f64::from_bits(self.cap.load(Ordering::Relaxed)),
+            held_cap: f64::from_bits(self.held_cap.load(Ordering::Relaxed)),
             own: f64::from_bits(self.own.load(Ordering::Relaxed)),
             coverage: self.coverage.load(Ordering::Relaxed),
             prefill_rate: f64::from_bits(self.prefill_rate.load(Ordering::Relaxed)),
@@ -232,6 +238,8 @@ impl Slot {
         self.limit.store(learned.limit.to_bits(), Ordering::Relaxed);
         self.cap
             .store(learned.history.cap().to_bits(), Ordering::Relaxed);
+        self.held_cap
+            .store(learned.history.held_cap().to_bits(), Ordering::Relaxed);
         self.own.store(learned.own.to_bits(), Ordering::Relaxed);
         self.coverage.store(learned.coverage, Ordering::Relaxed);
         self.prefill_rate

@@ -99,6 +99,10 @@ pub(super) struct Demand<'r> {
     /// Whether held ceilings apply ([`Ceiling`]); when they do not, backends in a run of
     /// failures are skipped ([`Self::past_ceilings`]).
     ceilings: bool,
+    /// Whether the request may probe a held ceiling ([`Ceiling`]): not one the router queue
+    /// put ahead of an older request ([`RequestInfo::ahead_of_older`]), which a probe would
+    /// make wait inside the replica, out of the queue's order.
+    probes: bool,
     /// Seconds a typical backend takes per output token: the fleet's mean latency over the
     /// typical request's output tokens.
     pub(super) token_seconds: f64,
@@ -184,6 +188,7 @@ impl<'r> Demand<'r> {
             awaiting_bound,
             now: Some(Instant::now()),
             ceilings: true,
+            probes: !request.ahead_of_older,
             token_seconds: mean_latency / typical_output,
             fastest: prompt
                 .and_then(|p| p.max_tokens)
@@ -293,12 +298,18 @@ impl LoadScore {
         }
         let matched = demand.matched_tokens(backend);
         let relative = relative_cost(fleet, state);
-        // Below a held ceiling, unless the backend holds part of the prompt ([`Ceiling`]) or
-        // stays well below the fleet's mean count with this request, its count weighed by its
-        // relative cost ([`Demand::mean_in_flight`]).
+        // Below a held ceiling (at its count, for a probe, only if the request may probe),
+        // unless the backend holds part of the prompt ([`Ceiling`]) or stays well below the
+        // fleet's mean count with this request, its count weighed by its relative cost
+        // ([`Demand::mean_in_flight`]).
         let busier = |rank: Rank| {
             let count = in_flight as f64 + 1.0;
-            count > rank.cap
+            let cap = if demand.probes {
+                rank.cap
+            } else {
+                rank.held_cap
+            };
+            count > cap
                 && demand
                     .mean_in_flight
                     .is_none_or(|mean| count * relative > mean - LOAD_SLACK)
@@ -405,6 +416,30 @@ mod tests {
         assert_eq!(strategy.pick(&cached, (&set).into()), Some(Pick::at(0)));
         busy(&replica, 1);
         assert_eq!(strategy.pick(&cached, (&set).into()), Some(Pick::at(0)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_the_queue_put_ahead_of_older_ones_never_probes_a_ceiling() {
+        let strategy = QueuedLeastLatency::load(3.0);
+        let replica = backend(77);
+        let set = vec![Arc::clone(&replica)];
+        find_a_ceiling(&strategy, &replica);
+        // Two rounds of on-time first bytes end the hold: one request may go at the ceiling's
+        // count, a probe that may wait inside the replica.
+        for _ in 0..10 {
+            strategy.on_first_byte(&replica, &sent_with(4, 0.02));
+        }
+        assert!(strategy.limit_without_prefix(&replica) >= 5.0);
+        let cold = chat(&"A new tenant's system prompt. ".repeat(400), "hello");
+        let ahead = RequestInfo {
+            ahead_of_older: true,
+            ..cold.clone()
+        };
+        // A request the queue put ahead of an older one (a tenant under its share, a higher
+        // band) waits for a slot below the count; the probe is left to one in the queue's own
+        // order.
+        assert_eq!(strategy.pick(&ahead, (&set).into()), None);
+        assert_eq!(strategy.pick(&cold, (&set).into()), Some(Pick::at(0)));
     }
 
     #[tokio::test(start_paused = true)]

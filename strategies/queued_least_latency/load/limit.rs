@@ -34,14 +34,13 @@ const CLEARLY_LATE: f64 = 2.0;
 const PROBE_SLACK: f64 = 0.005;
 
 impl History {
-    /// The limit a held ceiling sets for requests none of whose prompt the backend holds: just
-    /// below its count while the hold lasts, then just above it (one probe at the count), and
-    /// none without a ceiling.
+    /// The limit a held ceiling sets for requests none of whose prompt the backend holds: the
+    /// [held cap](Self::held_cap) while the hold lasts, then one above it (one probe at the
+    /// count), and none without a ceiling.
     pub(super) fn cap(&self) -> f64 {
         match self.ceiling {
-            Some(ceiling) if ceiling.hold > 0 => ceiling.count - 0.5,
-            Some(ceiling) => ceiling.count + 0.5,
-            None => f64::INFINITY,
+            Some(ceiling) if ceiling.hold == 0 => self.held_cap() + 1.0,
+            _ => self.held_cap(),
         }
     }
 

@@ -298,6 +298,7 @@ fn backend_json(backend: &Backend, now: Instant) -> Value {
         "ejected": availability.is_ejected(),
         "paused": availability.is_paused(now),
         "prefix_reach_tokens": backend.prefixes().reach_tokens(),
+        "prefix_stale_kept": backend.prefixes().stale_kept(),
     })
 }
 

@@ -38,11 +38,15 @@
 //! age says how far the reach should go. [`PrefixIndex::record`] returns what it held of the
 //! prompt, with the ages, as a [`Recall`]. Ages grow with the depth in a chain (every use of a
 //! block uses the blocks before it too), so the held blocks of a prompt are a prefix of it.
+//! The engine may still hold some of the stale blocks: the strategy that learns how much sets
+//! [`PrefixIndex::set_stale_kept`], and [`PrefixIndex::held_and_stale_blocks`] tells a prompt's
+//! held blocks from its stale ones.
 //!
 //! The state is behind a `std::sync::Mutex`, held for one call and never across an await.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::prompt::{self, Prompt};
@@ -55,6 +59,8 @@ pub struct PrefixIndex {
     /// The configured capacity: the most the index ever holds.
     capacity_blocks: usize,
     lru: Mutex<Lru>,
+    /// [`PrefixIndex::stale_kept`], as `f64` bits.
+    stale_kept: AtomicU64,
 }
 
 impl PrefixIndex {
@@ -79,6 +85,7 @@ impl PrefixIndex {
                 reach: capacity_blocks as u64,
                 ..Lru::default()
             }),
+            stale_kept: AtomicU64::new(0.0f64.to_bits()),
         }
     }
 
@@ -110,6 +117,23 @@ impl PrefixIndex {
         self.lock().reach = blocks.clamp(1, self.capacity_blocks as u64);
     }
 
+    /// The share of stale blocks (recorded past the reach) the backend's cache is taken to keep
+    /// still: 0 (stale blocks are gone) until a strategy that learned it from the engine's
+    /// answers sets it ([`Self::set_stale_kept`]).
+    pub fn stale_kept(&self) -> f64 {
+        f64::from_bits(self.stale_kept.load(Ordering::Relaxed))
+    }
+
+    /// Sets [`Self::stale_kept`] to `share`, within 0 and 1.
+    pub fn set_stale_kept(&self, share: f64) {
+        let share = if share.is_nan() {
+            0.0
+        } else {
+            share.clamp(0.0, 1.0)
+        };
+        self.stale_kept.store(share.to_bits(), Ordering::Relaxed);
+    }
+
     /// How many leading blocks of `blocks` are held (recorded, within the reach): the longest
     /// prefix of the prompt this backend probably has cached.
     pub fn matched_blocks(&self, blocks: &[u64]) -> usize {
@@ -127,6 +151,28 @@ impl PrefixIndex {
         prompt.held_blocks(self.matched_blocks(&prompt.blocks))
     }
 
+    /// [`Self::held_blocks`] of `prompt`, and how many blocks after those are still recorded
+    /// past the reach (stale, as [`Recall::stale`] counts them): what the backend probably
+    /// holds of the prompt, and what it may hold beyond that.
+    pub fn held_and_stale_blocks(&self, prompt: &Prompt) -> (usize, usize) {
+        if self.capacity_blocks == 0 {
+            return (0, 0);
+        }
+        let blocks = &prompt.blocks;
+        let (matched, recorded) = {
+            let lru = self.lock();
+            let matched = lru.prefix(blocks, |block| lru.holds(block)).0;
+            let recorded = if matched < blocks.len() {
+                lru.prefix(blocks, |_| true).0
+            } else {
+                matched
+            };
+            (matched, recorded)
+        };
+        let held = prompt.held_blocks(matched);
+        (held, prompt.held_blocks(recorded).saturating_sub(held))
+    }
+
     /// Records `prompt`'s blocks ([`Self::record`]) and returns what the backend held of it
     /// before, the chat's last answer counted as [`Self::held_blocks`] counts it.
     pub fn record_prompt(&self, prompt: &Prompt) -> Recall {
@@ -134,8 +180,11 @@ impl PrefixIndex {
         let held = prompt.held_blocks(recall.held);
         Recall {
             held,
-            // Stale blocks the answer's credit covers count as held.
-            stale: recall.stale.saturating_sub(held - recall.held),
+            // The answer counts with the blocks before it: as held where the held part reaches
+            // it, as stale where only the stale part does.
+            stale: prompt
+                .held_blocks(recall.held + recall.stale)
+                .saturating_sub(held),
             ..recall
         }
     }
@@ -783,6 +832,46 @@ mod tests {
         }
         let body = serde_json::json!({"messages": messages}).to_string();
         Prompt::of_body(body.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn the_lookup_tells_the_held_blocks_from_the_stale_ones_as_recording_does() {
+        let index = PrefixIndex::new(100 * TPB);
+        index.set_reach_blocks(30);
+        let (turn1, turn2) = (turn(None), turn(Some(&"a".repeat(501))));
+        let prompt = |blocks: &[u64]| Prompt {
+            blocks: blocks.into(),
+            ..turn1.clone()
+        };
+        let a = chain(44, 10);
+        assert_eq!(index.held_and_stale_blocks(&prompt(&a)), (0, 0));
+        // Ten blocks recorded, then 35 newer ones: the first five are within the reach again
+        // (a second prompt used them), the last five past it.
+        sent(&index, &a);
+        sent(&index, &chain(45, 35));
+        sent(&index, &a[..5]);
+        assert_eq!(index.held_and_stale_blocks(&prompt(&a)), (5, 5));
+        assert_eq!(index.held_and_stale_blocks(&prompt(&a[..5])), (5, 0));
+        let recall = index.record(&a);
+        assert_eq!((recall.held, recall.stale), (5, 5));
+        assert_eq!(index.held_and_stale_blocks(&prompt(&a)), (10, 0));
+        // A chat's last answer counts as held with the question before it, as recording counts.
+        sent(&index, &turn2.blocks);
+        sent(&index, &chain(46, 35));
+        sent(&index, &turn1.blocks);
+        let looked = index.held_and_stale_blocks(&turn2);
+        let recall = index.record_prompt(&turn2);
+        assert_eq!(looked, (recall.held, recall.stale));
+        assert_eq!(looked, (4, 0));
+        // The question alone recorded, now past the reach: the answer is stale with it.
+        let index = PrefixIndex::new(100 * TPB);
+        index.set_reach_blocks(30);
+        sent(&index, &turn1.blocks);
+        sent(&index, &chain(47, 35));
+        let looked = index.held_and_stale_blocks(&turn2);
+        let recall = index.record_prompt(&turn2);
+        assert_eq!(looked, (recall.held, recall.stale));
+        assert_eq!(looked, (0, 4));
     }
 
     #[test]

@@ -195,19 +195,19 @@ async fn health_reports_the_reference_fields_and_strategy() {
 }
 
 /// The prefix cache the router takes each backend to keep: the default strategy starts it at a
-/// few prompts and learns it from what the engine found; a strategy that does not learn it
-/// leaves the index's configured capacity.
+/// few prompts, with what lies past that as likely kept as not, and learns both from what the
+/// engine found; a strategy that does not learn them leaves the index's configured capacity,
+/// with nothing kept past it.
 #[tokio::test]
 async fn health_shows_the_prefix_cache_the_router_takes_each_backend_to_keep() {
-    for (config, tokens) in [(qll(), 8_192), (round_robin(), 1_048_576)] {
+    for (config, tokens, kept) in [(qll(), 8_192, 0.5), (round_robin(), 1_048_576, 0.0)] {
         let router = start_router(config).await;
         set_backends(router.addr, &["127.0.0.1:9001".to_owned()]).await;
         let (status, health) = get_json(&router.url("/_custom_router/health")).await;
         assert_eq!(status, StatusCode::OK);
-        assert_eq!(
-            health["backends"][0]["prefix_reach_tokens"], tokens,
-            "{health}"
-        );
+        let backend = &health["backends"][0];
+        assert_eq!(backend["prefix_reach_tokens"], tokens, "{health}");
+        assert_eq!(backend["prefix_stale_kept"], kept, "{health}");
     }
 }
 

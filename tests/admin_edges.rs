@@ -619,7 +619,8 @@ async fn health_fields_match_the_readme() {
             "ewma_latency",
             "in_flight",
             "paused",
-            "prefix_reach_tokens"
+            "prefix_reach_tokens",
+            "prefix_stale_kept"
         ]
     );
     assert_eq!(health["draining"], false);

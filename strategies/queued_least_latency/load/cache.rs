@@ -35,10 +35,20 @@
 //! load, a late one proves a miss only for a request sent to a backend using at most half of
 //! its limit ([`learn_cache_from_first_byte`]). Once a backend's answers have reported
 //! `cached_tokens`, they alone judge it.
+//!
+//! A single age cannot say everything: an engine keeps its blocks by its own policy, and
+//! first bytes judged one by one read the delays of a busy engine as misses, so the reach can
+//! stay short while the engine still holds much of what lies past it. What lies past it is
+//! therefore not taken as gone: the same judgments add up, answer by answer, the share of
+//! these *stale* parts the engine found ([`StaleKept`]), and the score counts a stale part's
+//! prefill at the share not kept. Added up over many answers, the delays that sink one
+//! judgment average out; where the engine really evicted the stale blocks, the share falls
+//! toward nothing and the score takes them as uncached.
 
+use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
-use super::Slot;
+use super::{Slot, lock};
 use crate::backend::Backend;
 use crate::prompt::Prompt;
 use crate::strategies::{FirstByte, Outcome, Recall};
@@ -51,10 +61,88 @@ const STEP: f64 = 0.5;
 /// The shortest reach, and the first: a few prompts.
 const MIN_REACH_TOKENS: u64 = 8_192;
 
+/// The share of a stale part taken to be kept before a backend's answers have judged any: as
+/// likely kept as not.
+const PRIOR_STALE_KEPT: f64 = 0.5;
+/// The prior's weight, in stale tokens judged: a short prompt's worth, which a few answers
+/// outweigh.
+const PRIOR_STALE_TOKENS: f64 = 1_024.0;
+/// How much of the sums each judged stale part replaces: about the last twenty count.
+const STALE_KEPT_WEIGHT: f64 = 0.05;
+
+/// What a backend's engine was found to keep of stale parts (blocks the index recorded past
+/// its reach, [`Recall::stale`]), in tokens: moving sums of the stale tokens judged and of those
+/// found, recent answers weighing most. Their ratio is the index's
+/// [`stale_kept`](crate::prefix_index::PrefixIndex::stale_kept), which the score reads.
+#[derive(Debug)]
+pub(super) struct StaleKept {
+    sums: Mutex<StaleSums>,
+}
+
+#[derive(Debug)]
+struct StaleSums {
+    /// Stale tokens found (moving sum).
+    kept: f64,
+    /// Stale tokens judged (moving sum).
+    judged: f64,
+    /// How late, in seconds, first bytes with nothing past the reach usually come against
+    /// what was expected (a moving mean): the wait for an engine's step or queue that every
+    /// first byte has, taken out of a stale part's judgment.
+    usual_late: Option<f64>,
+}
+
+impl Default for StaleKept {
+    fn default() -> Self {
+        Self {
+            sums: Mutex::new(StaleSums {
+                kept: PRIOR_STALE_KEPT * PRIOR_STALE_TOKENS,
+                judged: PRIOR_STALE_TOKENS,
+                usual_late: None,
+            }),
+        }
+    }
+}
+
+impl StaleKept {
+    /// The share kept.
+    fn share(&self) -> f64 {
+        let sums = lock(&self.sums);
+        sums.kept / sums.judged
+    }
+
+    /// Folds in a stale part of `stale` tokens of which the engine found `found`; returns the
+    /// share kept.
+    fn fold(&self, found: f64, stale: f64) -> f64 {
+        let mut sums = lock(&self.sums);
+        sums.kept += STALE_KEPT_WEIGHT * (found.clamp(0.0, stale) - sums.kept);
+        sums.judged += STALE_KEPT_WEIGHT * (stale - sums.judged);
+        sums.kept / sums.judged
+    }
+
+    /// Folds in a first byte `late` seconds after the expected time, its prompt having nothing
+    /// past the reach.
+    fn late(&self, late: f64) {
+        let mut sums = lock(&self.sums);
+        sums.usual_late = Some(
+            sums.usual_late
+                .map_or(late, |usual| usual + STALE_KEPT_WEIGHT * (late - usual)),
+        );
+    }
+
+    /// How late first bytes with nothing past the reach usually come (0 before one came).
+    fn usual_late(&self) -> f64 {
+        lock(&self.sums).usual_late.unwrap_or(0.0)
+    }
+}
+
 /// Sets `backend`'s index reach to its start, the shortest: a backend the strategy has not
-/// learned yet is trusted to keep a few prompts, until its answers show more.
+/// learned yet is trusted to keep a few prompts, until its answers show more; and what lies
+/// past the reach to be kept at the share learned so far ([`StaleKept`]; before any answer,
+/// as likely kept as not).
 pub(super) fn start_reach(backend: &Backend) {
-    backend.prefixes().set_reach_blocks(floor_blocks());
+    let index = backend.prefixes();
+    index.set_reach_blocks(floor_blocks());
+    index.set_stale_kept(backend.strategy_slot::<Slot>().stale_kept.share());
 }
 
 /// [`MIN_REACH_TOKENS`] in blocks.
@@ -76,6 +164,7 @@ pub(super) fn learn_cache(backend: &Backend, outcome: &Outcome) {
         .reports_cached
         .store(true, Ordering::Relaxed);
     let found = found as f64 / usage.prompt_tokens as f64;
+    learn_stale_kept(backend, outcome.prompt_tokens, outcome.recall, found);
     judge(backend, outcome.prompt_tokens, outcome.recall, found, true);
 }
 
@@ -104,7 +193,25 @@ pub(super) fn learn_cache_from_first_byte(
     }
     let prompt = prompt as f64;
     let predicted = (prompt - first_byte.uncached_tokens as f64).max(0.0);
-    let found = (predicted - (first_byte.seconds - expected) / rate).clamp(0.0, prompt);
+    let late = first_byte.seconds - expected;
+    let found = (predicted - late / rate).clamp(0.0, prompt);
+    // What the engine found of a stale part is judged against how late first bytes usually
+    // are: one by one, the wait for a step would read as stale parts missed.
+    let stale_kept = &backend.strategy_slot::<Slot>().stale_kept;
+    if !congested {
+        if first_byte.recall.stale == 0 {
+            stale_kept.late(late);
+        } else {
+            let late = late - stale_kept.usual_late();
+            let found = (predicted - late / rate).clamp(0.0, prompt);
+            learn_stale_kept(
+                backend,
+                first_byte.prompt_tokens,
+                first_byte.recall,
+                found / prompt,
+            );
+        }
+    }
     judge(
         backend,
         first_byte.prompt_tokens,
@@ -112,6 +219,24 @@ pub(super) fn learn_cache_from_first_byte(
         found / prompt,
         !congested,
     );
+}
+
+/// Folds into `backend`'s [`StaleKept`] what the engine found (`found`, a share of the prompt of
+/// `prompt_tokens`) of the stale part of a prompt whose index held `recall`: what it found
+/// beyond the held part, up to the stale part.
+fn learn_stale_kept(backend: &Backend, prompt_tokens: u64, recall: Recall, found: f64) {
+    let tokens = |blocks: usize| Prompt::blocks_tokens(blocks).min(prompt_tokens) as f64;
+    let held = tokens(recall.held);
+    let stale = tokens(recall.held + recall.stale) - held;
+    if stale <= 0.0 {
+        return;
+    }
+    let found = found * prompt_tokens as f64 - held;
+    let share = backend
+        .strategy_slot::<Slot>()
+        .stale_kept
+        .fold(found, stale);
+    backend.prefixes().set_stale_kept(share);
 }
 
 /// Moves `backend`'s index reach toward the age a prompt of `prompt_tokens` proved, the engine
@@ -269,6 +394,69 @@ mod tests {
         learn_cache(&backend, &answer(held(75, 400), Some(74)));
         judged_first_byte(&backend, tokens(75) as f64, false);
         assert_eq!(index.reach_blocks(), before);
+    }
+
+    #[test]
+    fn answers_teach_the_share_of_stale_parts_the_engine_keeps() {
+        let backend = Backend::new("10.0.9.3:80".parse().unwrap());
+        let kept = || backend.prefixes().stale_kept();
+        start_reach(&backend);
+        assert_eq!(kept(), PRIOR_STALE_KEPT);
+        // Answers to prompts with no stale part say nothing of it.
+        for found in [Some(0), Some(75), None] {
+            learn_cache(&backend, &answer(held(75, 400), found));
+        }
+        assert_eq!(kept(), PRIOR_STALE_KEPT);
+        // 60 blocks past the reach: the engine found them every time, then never, then 20 of
+        // them every time. The share follows within tens of answers.
+        let share_after = |found: usize| {
+            for _ in 0..60 {
+                learn_cache(&backend, &answer(stale(10, 60, 1_000), Some(found)));
+            }
+            kept()
+        };
+        assert!(share_after(70) > 0.95, "{}", kept());
+        assert!(share_after(10) < 0.1, "{}", kept());
+        assert!((share_after(30) - 1.0 / 3.0).abs() < 0.03, "{}", kept());
+        // Without usage, first bytes teach it (a backend whose answers never reported
+        // `cached_tokens`): one as early as the whole stale part held raises it, unless its
+        // request went to a congested backend; one as late as the stale part prefilled lowers
+        // it, on a backend with room.
+        let backend = Backend::new("10.0.9.4:80".parse().unwrap());
+        let kept = || backend.prefixes().stale_kept();
+        start_reach(&backend);
+        let rate = 1e-4;
+        let expected = 0.02 + tokens(90) as f64 * rate;
+        // A first byte of a prompt of 100 blocks of which 10 are held and `stale` more are
+        // recorded past the reach, the engine having found `found`, `wait` seconds later than
+        // its prefill (a wait for a step).
+        let first_byte_found = |congested: bool, stale: usize, found: usize, wait: f64| {
+            let before = kept();
+            let seconds =
+                expected + wait - found.saturating_sub(10) as f64 * tokens(1) as f64 * rate;
+            let first_byte = FirstByte {
+                prompt_tokens: tokens(100),
+                recall: Recall {
+                    stale,
+                    stale_age: if stale > 0 { 1_000 } else { 0 },
+                    ..held(10, 20)
+                },
+                ..super::super::testing::first_byte(seconds, tokens(90), 0)
+            };
+            learn_cache_from_first_byte(&backend, &first_byte, expected, rate, congested);
+            kept() - before
+        };
+        assert!(first_byte_found(false, 60, 70, 0.0) > 0.0);
+        assert_eq!(first_byte_found(true, 60, 10, 0.0), 0.0);
+        assert!(first_byte_found(false, 60, 10, 0.0) < 0.0);
+        // First bytes usually come a step late here (0.5 s, the prefill of 5,000 tokens, more
+        // than the stale part's 3,840): one of a stale part the engine found, that late, counts
+        // as found, not missed.
+        for _ in 0..60 {
+            assert_eq!(first_byte_found(false, 0, 10, 0.5), 0.0);
+        }
+        assert!(first_byte_found(false, 60, 70, 0.5) > 0.0);
+        assert!(first_byte_found(false, 60, 10, 0.5) < 0.0);
     }
 
     #[test]

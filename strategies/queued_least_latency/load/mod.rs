@@ -218,6 +218,9 @@ struct Slot {
     reports_cached: AtomicBool,
     /// [`Learned::history`].
     history: Mutex<History>,
+    /// What the engine kept of the prompts' parts its prefix index recorded past the reach
+    /// (`cache.rs`).
+    stale_kept: cache::StaleKept,
 }
 
 impl Slot {

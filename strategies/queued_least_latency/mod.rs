@@ -60,11 +60,12 @@
 //!   the engine was found to keep of it; a full backend holding much more of the prompt still
 //!   takes it when the prefill saved outweighs the wait for a slot (`load/pick.rs`).
 //! - *Load guard*: for a request with a prompt, a backend that holds part of that prompt and more
-//!   work in flight (expected output tokens, weighted by relative cost) than `load_bound` times
-//!   its share plus three typical requests' work is skipped; so is any backend holding more
-//!   requests than `load_bound` times its equal share of those in flight plus two (three if it
-//!   holds part of the prompt; the count guard: an engine fills up by sequences and KV cache,
-//!   whatever the work); so is a backend whose queued
+//!   work in flight (expected output tokens, weighted by relative cost) than its share plus three
+//!   typical requests' work, plus `load_bound` - 1 times the share up to three more, is skipped;
+//!   so is any backend holding more requests than its equal share of those in flight plus two
+//!   (three if it holds part of the prompt), plus `load_bound` - 1 times the share up to as
+//!   many more (the count guard: an engine fills up by sequences and KV cache, and hundreds of
+//!   sequences leave it no room for tens above its share); so is a backend whose queued
 //!   prefill (uncached prompt tokens waiting for their first byte) is above
 //!   `load_bound` × the candidates' mean with this prompt added, or above this prompt's tokens
 //!   if more, unless it holds at least half of the prompt (the prefill guard); so is a backend

@@ -158,35 +158,15 @@ impl PrefixIndex {
         if self.capacity_blocks == 0 {
             return (0, 0);
         }
-        let blocks = &prompt.blocks;
-        let (matched, recorded) = {
-            let lru = self.lock();
-            let matched = lru.prefix(blocks, |block| lru.holds(block)).0;
-            let recorded = if matched < blocks.len() {
-                lru.prefix(blocks, |_| true).0
-            } else {
-                matched
-            };
-            (matched, recorded)
-        };
-        let held = prompt.held_blocks(matched);
-        (held, prompt.held_blocks(recorded).saturating_sub(held))
+        let recall = self.lock().recall(&prompt.blocks);
+        let recall = credited(prompt, recall);
+        (recall.held, recall.stale)
     }
 
     /// Records `prompt`'s blocks ([`Self::record`]) and returns what the backend held of it
     /// before, the chat's last answer counted as [`Self::held_blocks`] counts it.
     pub fn record_prompt(&self, prompt: &Prompt) -> Recall {
-        let recall = self.record(&prompt.blocks);
-        let held = prompt.held_blocks(recall.held);
-        Recall {
-            held,
-            // The answer counts with the blocks before it: as held where the held part reaches
-            // it, as stale where only the stale part does.
-            stale: prompt
-                .held_blocks(recall.held + recall.stale)
-                .saturating_sub(held),
-            ..recall
-        }
+        credited(prompt, self.record(&prompt.blocks))
     }
 
     /// Records that a prompt with these blocks was routed here: they become the most recently
@@ -197,19 +177,7 @@ impl PrefixIndex {
             return Recall::default();
         }
         let mut lru = self.lock();
-        let (held, held_age) = lru.prefix(blocks, |block| lru.holds(block));
-        let mut recall = Recall {
-            held,
-            held_age,
-            ..Recall::default()
-        };
-        // What is recorded past the reach, when not every block is held.
-        if held < blocks.len() {
-            let (recorded, stale_age) = lru.prefix(blocks, |_| true);
-            if recorded > held {
-                (recall.stale, recall.stale_age) = (recorded - held, stale_age);
-            }
-        }
+        let recall = lru.recall(blocks);
         for &hash in self.recorded_part(blocks).iter().rev() {
             let slot = lru.touch(hash);
             let pins = &mut lru.slots[slot as usize].pins;
@@ -314,6 +282,20 @@ pub struct Recall {
     pub stale_age: u64,
 }
 
+/// `recall` of `prompt`'s blocks with the chat's last answer counted with the blocks before it
+/// ([`Prompt::held_blocks`]): as held where the held part reaches it, as stale where only the
+/// stale part does.
+fn credited(prompt: &Prompt, recall: Recall) -> Recall {
+    let held = prompt.held_blocks(recall.held);
+    Recall {
+        held,
+        stale: prompt
+            .held_blocks(recall.held + recall.stale)
+            .saturating_sub(held),
+        ..recall
+    }
+}
+
 /// Hashes a `u64` to itself: block hashes are uniformly random already.
 #[derive(Default)]
 struct PassThrough(u64);
@@ -393,6 +375,25 @@ struct Recorded {
 }
 
 impl Lru {
+    /// What is held of `blocks` and what is recorded past the reach after it, with the ages
+    /// ([`Recall`], the blocks as they are, no answer counted).
+    fn recall(&self, blocks: &[u64]) -> Recall {
+        let (held, held_age) = self.prefix(blocks, |block| self.holds(block));
+        let mut recall = Recall {
+            held,
+            held_age,
+            ..Recall::default()
+        };
+        // What is recorded past the reach, when not every block is held.
+        if held < blocks.len() {
+            let (recorded, stale_age) = self.prefix(blocks, |_| true);
+            if recorded > held {
+                (recall.stale, recall.stale_age) = (recorded - held, stale_age);
+            }
+        }
+        recall
+    }
+
     /// What is known of `hash` if it is recorded.
     fn recorded(&self, hash: u64) -> Option<Recorded> {
         let entry = self.map.get(&hash)?;

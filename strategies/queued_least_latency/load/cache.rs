@@ -194,7 +194,10 @@ pub(super) fn learn_cache_from_first_byte(
     let prompt = prompt as f64;
     let predicted = (prompt - first_byte.uncached_tokens as f64).max(0.0);
     let late = first_byte.seconds - expected;
-    let found = (predicted - late / rate).clamp(0.0, prompt);
+    // The prompt tokens the engine found, had the first byte come `late` seconds after the
+    // expected time.
+    let found_if = |late: f64| (predicted - late / rate).clamp(0.0, prompt);
+    let found = found_if(late);
     // What the engine found of a stale part is judged against how late first bytes usually
     // are: one by one, the wait for a step would read as stale parts missed.
     let stale_kept = &backend.strategy_slot::<Slot>().stale_kept;
@@ -202,8 +205,7 @@ pub(super) fn learn_cache_from_first_byte(
         if first_byte.recall.stale == 0 {
             stale_kept.late(late);
         } else {
-            let late = late - stale_kept.usual_late();
-            let found = (predicted - late / rate).clamp(0.0, prompt);
+            let found = found_if(late - stale_kept.usual_late());
             learn_stale_kept(
                 backend,
                 first_byte.prompt_tokens,

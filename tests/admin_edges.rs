@@ -736,7 +736,13 @@ async fn reload_keeps_or_swaps_the_admin_settings() {
             == 1.0)
         .await
     );
-    assert!(router.logged("admin.bogus"));
+    // The log line is read from the router's stderr by another thread: it may come a moment
+    // after the metric.
+    assert!(
+        eventually(Duration::from_secs(5), async || router
+            .logged("admin.bogus"))
+        .await
+    );
     let body = json!({ "backends": [backend.host_port()] }).to_string();
     assert_eq!(
         post_set_backends(router.addr, &body, Some("two")).await.0,

@@ -304,7 +304,7 @@ async fn sighup_applies_a_changed_strategy_and_timeout_to_new_requests_and_keeps
     // The new first-byte timeout holds for a new request.
     let (status, body) = get(&format!("http://{}/slow", router.addr)).await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
-    assert!(router.logged("configuration reloaded"));
+    assert!(eventually(PATIENCE, async || router.logged("configuration reloaded")).await);
 
     // An invalid file: the same error as at start-up is logged, the running config kept.
     write("[strategy]\nname = \"no-such-strategy\"\n");

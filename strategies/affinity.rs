@@ -41,8 +41,8 @@
 //!
 //! # Details of this implementation
 //!
-//! - Hashes are FNV-1a followed by the murmur3 64-bit finalizer, written here: stable across Rust
-//!   versions, platforms and restarts (std's `DefaultHasher` is not). Ring points hash the
+//! - Hashes are FNV-1a followed by the murmur3 64-bit finalizer (`strategies::mix`), written
+//!   here: stable across Rust versions, platforms and restarts (std's `DefaultHasher` is not). Ring points hash the
 //!   backend's address, so the same set gives the same ring in any order and in any process.
 //! - The ring is rebuilt whenever the eligible set changes (`on_backends_changed`) and swapped in
 //!   with `arc-swap`; `pick` walks it without allocating or locking. A point whose backend is
@@ -80,7 +80,7 @@ use serde::Deserialize;
 
 use super::{
     Candidates, ParamsError, Pick, RequestInfo, RequestView, Strategy, StrategyContext,
-    StrategyEntry, parse_params,
+    StrategyEntry, mix, parse_params,
 };
 use crate::backend::Backend;
 
@@ -258,15 +258,6 @@ fn fnv1a(state: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(state, |hash, &byte| {
         (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME)
     })
-}
-
-/// The murmur3 64-bit finalizer: spreads FNV's weak high bits over the whole ring.
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
 }
 
 /// The stable 64-bit hash of a key.

@@ -44,6 +44,16 @@ pub fn names() -> Vec<&'static str> {
     REGISTRY.iter().map(|entry| entry.name).collect()
 }
 
+/// The murmur3 64-bit finalizer: every input bit moves about half of the output's, so hashes
+/// that differ in a few bits (or FNV's weak high bits) rank and spread evenly.
+pub(crate) fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
 #[cfg(test)]
 mod tests {
     use std::ops::ControlFlow;

@@ -1,5 +1,6 @@
 //! A pick under the load score, and the order in which it falls back: the lowest score among
-//! the backends with room within every guard; a backend in a run of failures only when no
+//! the backends with room within every guard, and between those holding the same most of the
+//! prompt, the prompt's home ([`LoadScore::home`]); a backend in a run of failures only when no
 //! healthy one has room, held ceilings waived; with no backend within every guard, the count
 //! guard alone, then none; and after the pick, an overflow of a long answer to a much faster
 //! backend past its limit ([`Pick::past_limit`]).
@@ -9,7 +10,7 @@ use super::cost::{Fleet, relative_cost};
 use super::score::Demand;
 use super::{LoadScore, Rank, Slot};
 use crate::backend::Backend;
-use crate::strategies::{Candidates, Pick, RequestInfo};
+use crate::strategies::{Candidates, Pick, RequestInfo, mix};
 
 /// How many times faster (in relative cost) a full backend must be than the chosen one for a
 /// request to wait for a slot there ([`LoadScore::overflow`]): on equal replicas the
@@ -24,6 +25,11 @@ const AFFINITY_SHARE: f64 = 0.3;
 /// How far past its limit a backend takes requests for the prefix it holds: this multiple of
 /// the limit, plus one.
 const AFFINITY_ROOM: f64 = 1.5;
+/// The share of the prompt the chosen backend's held part must cover for the prompt's home to
+/// decide between the backends holding as much ([`LoadScore::home`]): a part that every
+/// tenant's prompt starts with (a preamble) is no tenant's, and a home for it would draw every
+/// tenant's first request to one replica.
+const HOME_SHARE: f64 = 0.5;
 
 impl LoadScore {
     /// The pick for `request` among `candidates` (ties broken by `ties`).
@@ -63,11 +69,12 @@ impl LoadScore {
         // back while one has room (the others may be full up to their limits). Then
         // the count guard alone (capacity first), then none.
         let found = match pick(&demand) {
-            None if demand.is_guarded() => {
-                [demand.counted(), demand.unguarded()].iter().find_map(pick)
-            }
-            found => found,
-        }?;
+            Some(found) => self.home(found, candidates, generation, &fleet, &demand),
+            None if demand.is_guarded() => [demand.counted(), demand.unguarded()]
+                .iter()
+                .find_map(pick)?,
+            None => return None,
+        };
         // A much faster backend past its limit may still finish it sooner; a full one holding
         // much more of its prompt may start it sooner.
         let chosen = candidates.get(found)?;
@@ -75,6 +82,60 @@ impl LoadScore {
             .overflow(chosen, candidates, generation, &fleet, &demand)
             .or_else(|| self.affinity(chosen, candidates, generation, &fleet, &demand));
         Some(overflow.unwrap_or(Pick::at(found)))
+    }
+
+    /// Between `found` and the other backends within every guard that hold as much of the
+    /// prompt (at least [`HOME_SHARE`] of it), the prompt's home: the one whose hash with that
+    /// held part ranks first (rendezvous hashing, Thaler and Ravishankar 1998). Scored by load,
+    /// the new users of a tenant whose system prompt two replicas hold (a spill once put it on
+    /// the second) would split between them for good, and both caches would keep the prompt;
+    /// sent to its home, they leave the other copy to age out, and that cache to hold other
+    /// prompts. A backend holding more of the prompt than `found` keeps the score's choice
+    /// (the score weighed what it holds against its load), and the guards bound how much the
+    /// home takes above its share. Never a backend in a run of failures.
+    pub(super) fn home(
+        &self,
+        found: usize,
+        candidates: Candidates<'_>,
+        generation: u64,
+        fleet: &Fleet,
+        demand: &Demand<'_>,
+    ) -> usize {
+        let (Some(prompt), Some(chosen)) = (demand.prompt, candidates.get(found)) else {
+            return found;
+        };
+        let healthy = |backend: &Backend| backend.failures_in_a_row() == 0;
+        let held = |backend: &Backend| {
+            self.scored(backend, generation, fleet, demand)
+                .map(|(_, held)| held)
+        };
+        let Some(top) = held(chosen).filter(|&top| top > 0) else {
+            return found;
+        };
+        if !demand.is_guarded()
+            || !healthy(chosen)
+            || (top as f64) < HOME_SHARE * prompt.blocks.len() as f64
+        {
+            return found;
+        }
+        // The held part's last block hash names the whole part (each block's hash covers
+        // those before it).
+        let part = prompt.blocks[top.min(prompt.blocks.len()) - 1];
+        let rank = |backend: &Backend| mix(part ^ mix(backend.id()));
+        let mut home = (rank(chosen), found);
+        for (index, backend) in candidates.iter() {
+            if index == found || !healthy(backend) {
+                continue;
+            }
+            match held(backend) {
+                Some(other) if other > top => return found,
+                Some(other) if other == top && rank(backend) > home.0 => {
+                    home = (rank(backend), index);
+                }
+                _ => {}
+            }
+        }
+        home.1
     }
 
     /// A backend past its limit holding at least [`AFFINITY_SHARE`] of the prompt more than
@@ -212,6 +273,7 @@ mod tests {
     use std::time::Duration;
 
     use super::super::testing::*;
+    use crate::backend::Backend;
     use crate::strategies::{FirstByte, Outcome, Pick, RequestInfo, Strategy};
 
     #[tokio::test(start_paused = true)]
@@ -374,5 +436,81 @@ mod tests {
                 past_limit: false
             })
         );
+    }
+
+    /// The three replicas of the home tests, the prompt of `tenant` (about 4,000 tokens), and
+    /// `holding` of its blocks recorded on the first two.
+    fn held_on_two(
+        ids: [u32; 3],
+        tenant: usize,
+        holding: impl Fn(usize) -> usize,
+    ) -> (QueuedLeastLatency, Vec<Arc<Backend>>, RequestInfo) {
+        let set: Vec<_> = ids.into_iter().map(backend).collect();
+        let strategy = with_room(&set);
+        let system = format!("You are the assistant of tenant {tenant}. ").repeat(400);
+        let request = chat(&system, "hello");
+        let blocks = &request.prompt.as_ref().unwrap().blocks;
+        for holder in &set[..2] {
+            holder.prefixes().record(&blocks[..holding(blocks.len())]);
+        }
+        (strategy, set, request)
+    }
+
+    #[test]
+    fn a_prompt_two_replicas_hold_goes_to_its_home_whichever_is_less_loaded() {
+        let mut homes = [0usize; 2];
+        for tenant in 0..24 {
+            let (strategy, set, request) = held_on_two([60, 61, 62], tenant, |all| all);
+            // One request more on either holder: the pick stays on the same one, never on
+            // the third replica, which would prefill the prompt.
+            busy(&set[0], 1);
+            let first = strategy.pick(&request, (&set).into()).unwrap().index;
+            set[0].release();
+            busy(&set[1], 1);
+            let second = strategy.pick(&request, (&set).into()).unwrap().index;
+            assert_eq!(first, second, "tenant {tenant}");
+            assert!(first < 2, "tenant {tenant}: {first}");
+            homes[first] += 1;
+        }
+        // Each prompt has its own home: the tenants spread over both holders.
+        assert!(homes[0] > 0 && homes[1] > 0, "{homes:?}");
+    }
+
+    #[test]
+    fn the_home_takes_no_more_than_the_guards_allow() {
+        let (strategy, set, request) = held_on_two([63, 64, 65], 3, |all| all);
+        let home = strategy.pick(&request, (&set).into()).unwrap().index;
+        let other = 1 - home;
+        // Past the count guard (its share of 11 in flight plus three), the home's tenant goes
+        // to the other replica holding its prompt.
+        busy(&set[home], 10);
+        assert_eq!(
+            strategy.pick(&request, (&set).into()),
+            Some(Pick::at(other))
+        );
+        // And a home in a run of failures is passed over.
+        for _ in 0..10 {
+            set[home].release();
+        }
+        set[home].record_failure_in_a_row();
+        busy(&set[other], 1);
+        assert_eq!(
+            strategy.pick(&request, (&set).into()),
+            Some(Pick::at(other))
+        );
+    }
+
+    #[test]
+    fn a_part_under_half_the_prompt_has_no_home() {
+        // A preamble every tenant's prompt starts with, held on two replicas: the load
+        // decides between them, so tenants whose prompts no replica holds yet do not all go
+        // to one.
+        let (strategy, set, request) = held_on_two([66, 67, 68], 5, |all| all / 3);
+        busy(&set[2], 1);
+        busy(&set[0], 1);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(1)));
+        set[0].release();
+        busy(&set[1], 1);
+        assert_eq!(strategy.pick(&request, (&set).into()), Some(Pick::at(0)));
     }
 }

@@ -209,19 +209,20 @@ impl Demand<'_> {
         }
     }
 
-    /// The prompt tokens `backend`'s prefix index says it holds ([`Self::matched_tokens`]), and
-    /// how many after those it recorded past its reach (stale): (0, 0) for a request without a
+    /// The prompt's blocks `backend`'s prefix index says it holds, and the tokens of those and
+    /// of the blocks after them it recorded past its reach (stale): the held blocks and tokens
+    /// of [`Self::matched_tokens`], then the stale tokens; (0, 0, 0) for a request without a
     /// prompt.
-    fn held_and_stale_tokens(&self, backend: &Backend) -> (u64, u64) {
+    fn held_and_stale(&self, backend: &Backend) -> (usize, u64, u64) {
         match self.prompt {
             Some(prompt) if self.prompt_tokens > 0 => {
-                let (held, stale) = backend.prefixes().held_and_stale_blocks(prompt);
-                let held = Prompt::blocks_tokens(held);
+                let (blocks, stale) = backend.prefixes().held_and_stale_blocks(prompt);
+                let held = Prompt::blocks_tokens(blocks);
                 let stale =
                     Prompt::blocks_tokens(stale).min(self.prompt_tokens.saturating_sub(held));
-                (held, stale)
+                (blocks, held, stale)
             }
-            _ => (0, 0),
+            _ => (0, 0, 0),
         }
     }
 
@@ -290,6 +291,18 @@ impl LoadScore {
         fleet: &Fleet,
         demand: &Demand<'_>,
     ) -> Option<f64> {
+        self.scored(backend, generation, fleet, demand)
+            .map(|(score, _)| score)
+    }
+
+    /// [`Self::score`], and the prompt's blocks the backend's prefix index says it holds.
+    pub(super) fn scored(
+        &self,
+        backend: &Backend,
+        generation: u64,
+        fleet: &Fleet,
+        demand: &Demand<'_>,
+    ) -> Option<(f64, usize)> {
         let in_flight = backend.in_flight();
         if !demand.ceilings && backend.failures_in_a_row() > 0 {
             return None;
@@ -312,7 +325,7 @@ impl LoadScore {
         if in_flight > 0 && !((in_flight as f64) + 1.0 <= limit && ramp) {
             return None;
         }
-        let (matched, stale) = demand.held_and_stale_tokens(backend);
+        let (held_blocks, matched, stale) = demand.held_and_stale(backend);
         let relative = relative_cost(fleet, state);
         // Below a held ceiling (at its count, for a probe, only if the request may probe),
         // unless the backend holds part of the prompt ([`Ceiling`]) or stays well below the
@@ -368,7 +381,7 @@ impl LoadScore {
             load += engine_ahead(&engine) * demand.unit;
         }
         if demand.prompt_tokens == 0 {
-            return Some(load);
+            return Some((load, held_blocks));
         }
         // Its prefill waits for the prefill queued ahead of it, and stalls the decode steps of
         // every request in flight there while it runs (an engine's step carries both): a miss
@@ -379,7 +392,7 @@ impl LoadScore {
         let kept = backend.prefixes().stale_kept() * stale as f64;
         let prefill = (queued_prefill as f64 + (uncached as f64 - kept) * stalled as f64)
             * state.map_or(PRIOR_PREFILL_SECONDS_PER_TOKEN, |s| s.prefill_rate);
-        Some(load + prefill)
+        Some((load + prefill, held_blocks))
     }
 }
 

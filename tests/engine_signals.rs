@@ -2,7 +2,7 @@
 //! a stated capacity (TGI's `/info`) is the limit, work an engine runs for other clients and a
 //! full KV cache count as load (a router that just became the leader sees them before it has
 //! measured anything), and the limit does not grow while an engine says it is full (requests
-//! wait inside it and its KV cache is full).
+//! wait inside it and its KV cache is full), whether its answers stream or come whole.
 
 mod paused;
 
@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use custom_router::backend::Backend;
-use custom_router::balancer::Balancer;
+use custom_router::balancer::{Balancer, Finish};
 use custom_router::engine_metrics::{Engine, EngineReading};
 use custom_router::strategies::RequestInfo;
+use http::StatusCode;
 use tokio::time::{Instant, advance};
 
 /// The default strategy (`score = "load"`).
@@ -164,6 +165,55 @@ async fn the_limit_does_not_grow_while_the_engine_is_full() {
             grows,
             "waiting {waiting}, KV usage {kv_usage:?}: the fifth request went: {}",
             fifth.is_ok()
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_limit_of_whole_answers_does_not_grow_while_the_engine_is_full() {
+    // (waiting, KV usage, whether the limit grows)
+    for (waiting, kv_usage, grows) in [
+        (0, Some(0.5), true),
+        (3, Some(0.5), true),
+        (3, Some(0.97), false),
+    ] {
+        let balancer = load_balancer();
+        let backend = paused::with_backends(&balancer, &["10.0.0.1:8000"]).remove(0);
+        // A replica that never streams, kept as full as its limit allows for 15 rounds: each
+        // round's answers take 100 ms whatever the load (more in flight finish more), the
+        // engine scraped before each round.
+        for _ in 0..15 {
+            scraped(&backend, 4, waiting, kv_usage);
+            let mut leases = Vec::new();
+            while let Ok(Ok(lease)) =
+                tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
+            {
+                leases.push(lease);
+            }
+            advance(Duration::from_millis(100)).await;
+            for lease in leases {
+                lease.finish(Finish {
+                    status: Some(StatusCode::OK),
+                    error: None,
+                    retry_after: None,
+                    bytes: 512,
+                    usage: None,
+                });
+            }
+            paused::settle().await;
+        }
+        // Initial limit 4: a fifth goes only if the limit grew.
+        let mut admitted = Vec::new();
+        while let Ok(Ok(lease)) =
+            tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
+        {
+            admitted.push(lease);
+        }
+        assert_eq!(
+            admitted.len() > 4,
+            grows,
+            "waiting {waiting}, KV usage {kv_usage:?}: {} admitted",
+            admitted.len()
         );
     }
 }

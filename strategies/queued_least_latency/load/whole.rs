@@ -21,7 +21,9 @@
 //!   [`NEAR_BEST`] of the best, the lower edge of its bucket (past the knee the replica gains
 //!   nothing, and requests would only wait inside it, out of the router queue's order).
 //!
-//! A replica that streams moves its limit by its streams' first bytes instead (`limit.rs`).
+//! While the engine's own numbers say it is full (`[engine_metrics]`: requests wait in its queue
+//! and its KV cache is full, `engine.rs`), the limit does not grow, as for streams. A replica
+//! that streams moves its limit by its streams' first bytes instead (`limit.rs`).
 
 use super::{Learned, LoadScore};
 use crate::strategies::Outcome;
@@ -184,8 +186,15 @@ impl Throughput {
 impl LoadScore {
     /// After a whole answer's end on a replica that never streamed: the throughput window it
     /// belongs to, and when that closes, the limit that follows (see the module docs).
-    /// `in_flight_now` is the backend's count as the answer ended (itself included).
-    pub(super) fn learn_whole(&self, state: &mut Learned, outcome: &Outcome, in_flight_now: usize) {
+    /// `in_flight_now` is the backend's count as the answer ended (itself included);
+    /// `engine_full`, whether the engine's own numbers then said it is full.
+    pub(super) fn learn_whole(
+        &self,
+        state: &mut Learned,
+        outcome: &Outcome,
+        in_flight_now: usize,
+        engine_full: bool,
+    ) {
         if outcome.failed || outcome.streamed || state.history.streamed {
             return;
         }
@@ -198,8 +207,12 @@ impl LoadScore {
         if let Some(load) = throughput.answer(output, outcome.latency, load) {
             throughput.held = throughput.knee(load);
         }
-        let grown = (1.0 - GROWTH_SMOOTHING) * state.limit
-            + GROWTH_SMOOTHING * (state.limit + state.limit.sqrt());
+        let grown = if engine_full {
+            state.limit
+        } else {
+            (1.0 - GROWTH_SMOOTHING) * state.limit
+                + GROWTH_SMOOTHING * (state.limit + state.limit.sqrt())
+        };
         state.limit = grown
             .min(throughput.ceiling(self.initial_limit))
             .min(self.max_limit);

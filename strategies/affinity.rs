@@ -42,8 +42,9 @@
 //! # Details of this implementation
 //!
 //! - Hashes are FNV-1a followed by the murmur3 64-bit finalizer (`strategies::mix`), written
-//!   here: stable across Rust versions, platforms and restarts (std's `DefaultHasher` is not). Ring points hash the
-//!   backend's address, so the same set gives the same ring in any order and in any process.
+//!   here: stable across Rust versions, platforms and restarts (std's `DefaultHasher` is not).
+//!   Ring points hash the backend's address, so the same set gives the same ring in any order
+//!   and in any process.
 //! - The ring is rebuilt whenever the eligible set changes (`on_backends_changed`) and swapped in
 //!   with `arc-swap`; `pick` walks it without allocating or locking. A point whose backend is
 //!   excluded from the pick (retries skip backends already tried, slow start may decline one) is

@@ -13,7 +13,6 @@ use custom_router::backend::Backend;
 use custom_router::balancer::{Balancer, Finish};
 use custom_router::engine_metrics::{Engine, EngineReading};
 use custom_router::strategies::RequestInfo;
-use http::StatusCode;
 use tokio::time::{Instant, advance};
 
 /// The default strategy (`score = "load"`).
@@ -184,31 +183,18 @@ async fn the_limit_of_whole_answers_does_not_grow_while_the_engine_is_full() {
         // engine scraped before each round.
         for _ in 0..15 {
             scraped(&backend, 4, waiting, kv_usage);
-            let mut leases = Vec::new();
-            while let Ok(Ok(lease)) =
-                tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
-            {
-                leases.push(lease);
-            }
+            let leases = paused::admit_while_room(&balancer, 1000).await;
             advance(Duration::from_millis(100)).await;
             for lease in leases {
                 lease.finish(Finish {
-                    status: Some(StatusCode::OK),
-                    error: None,
-                    retry_after: None,
                     bytes: 512,
-                    usage: None,
+                    ..paused::OK
                 });
             }
             paused::settle().await;
         }
         // Initial limit 4: a fifth goes only if the limit grew.
-        let mut admitted = Vec::new();
-        while let Ok(Ok(lease)) =
-            tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await
-        {
-            admitted.push(lease);
-        }
+        let admitted = paused::admit_while_room(&balancer, 1000).await;
         assert_eq!(
             admitted.len() > 4,
             grows,

@@ -11,7 +11,7 @@ use custom_router::balancer::{Balancer, Finish, Lease};
 use custom_router::config::{Config, Settings};
 use custom_router::strategies::RequestInfo;
 use http::StatusCode;
-use paused::{admit_now, settle, with_backends};
+use paused::{admit_now, admit_while_room, settle, with_backends};
 use tokio::task::JoinHandle;
 use tokio::time::advance;
 
@@ -19,18 +19,6 @@ fn balancer() -> Arc<Balancer> {
     let mut config = Config::default();
     config.strategy.name = "queued-least-latency".to_owned();
     Settings::from_config(config).unwrap().balancer().unwrap()
-}
-
-/// Admits requests for as long as they go straight out (at most `most`).
-async fn admit_while_room(balancer: &Arc<Balancer>, most: usize) -> Vec<Lease> {
-    let mut leases = Vec::new();
-    while leases.len() < most {
-        match tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await {
-            Ok(Ok(lease)) => leases.push(lease),
-            _ => break,
-        }
-    }
-    leases
 }
 
 async fn admit_later(balancer: &Arc<Balancer>) -> JoinHandle<Lease> {

@@ -63,6 +63,18 @@ pub async fn admit_now(balancer: &Arc<Balancer>) -> Lease {
         .expect("a lease")
 }
 
+/// Admits requests for as long as they go straight out (at most `most`).
+pub async fn admit_while_room(balancer: &Arc<Balancer>, most: usize) -> Vec<Lease> {
+    let mut leases = Vec::new();
+    while leases.len() < most {
+        match tokio::time::timeout(Duration::ZERO, balancer.admit(RequestInfo::default())).await {
+            Ok(Ok(lease)) => leases.push(lease),
+            _ => break,
+        }
+    }
+    leases
+}
+
 /// Admits as `admission` says; the answer must come without waiting (refused or not).
 pub async fn answer_now(
     balancer: &Arc<Balancer>,

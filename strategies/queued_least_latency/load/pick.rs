@@ -101,10 +101,13 @@ impl LoadScore {
         fleet: &Fleet,
         demand: &Demand<'_>,
     ) -> usize {
+        let healthy = |backend: &Backend| backend.failures_in_a_row() == 0;
         let (Some(prompt), Some(chosen)) = (demand.prompt, candidates.get(found)) else {
             return found;
         };
-        let healthy = |backend: &Backend| backend.failures_in_a_row() == 0;
+        if !demand.is_guarded() || !healthy(chosen) {
+            return found;
+        }
         let held = |backend: &Backend| {
             self.scored(backend, generation, fleet, demand)
                 .map(|(_, held)| held)
@@ -112,10 +115,7 @@ impl LoadScore {
         let Some(top) = held(chosen).filter(|&top| top > 0) else {
             return found;
         };
-        if !demand.is_guarded()
-            || !healthy(chosen)
-            || (top as f64) < HOME_SHARE * prompt.blocks.len() as f64
-        {
+        if (top as f64) < HOME_SHARE * prompt.blocks.len() as f64 {
             return found;
         }
         // The held part's last block hash names the whole part (each block's hash covers

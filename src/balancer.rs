@@ -17,11 +17,16 @@
 //! The queue lock is a `std::sync::Mutex` that is never held across an await.
 
 mod availability;
+mod lease;
 mod queue;
+mod tuning;
 
 pub use availability::AvailabilityConfig;
+use lease::Choice;
+pub use lease::{Finish, Lease};
 pub use queue::{Admission, Band};
 use queue::{FirstByteTime, Place, Queue};
+pub use tuning::{PrefixIndexConfig, QueueConfig, Tuning};
 
 use std::future::Future;
 use std::pin::Pin;
@@ -30,19 +35,14 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::StatusCode;
 use opentelemetry::KeyValue;
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::backend::{Backend, BackendAddr, ErrorKind, InFlightWork};
+use crate::backend::{Backend, BackendAddr};
 use crate::classify::Class;
 use crate::metrics::{Metrics, MetricsError, Snapshot};
-use crate::prefix_index::{PrefixIndex, Recall};
-use crate::prompt::Prompt;
-use crate::strategy::{Candidates, FirstByte, LatencyConfig, Outcome, Pick, RequestInfo, Strategy};
-use crate::usage::Usage;
+use crate::strategy::{Candidates, Outcome, RequestInfo, Strategy};
 
 /// Why a request was answered by the router instead of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,121 +86,6 @@ impl Rejection {
         match self {
             Rejection::Overloaded(seconds) => seconds.max(1),
             _ => 1,
-        }
-    }
-}
-
-/// The `[queue]` section: the admission queue requests wait in when no backend can take them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct QueueConfig {
-    /// Requests the queue holds; when full, one request gives way (see [`Rejection::Evicted`]).
-    /// Also caps each backend's
-    /// completed count ([`QueueConfig::completed_cap`]).
-    pub max_size: usize,
-    /// How long a request may wait in the queue.
-    #[serde(with = "crate::forms::seconds")]
-    pub timeout: Duration,
-    /// Load shedding by a fixed rule: a new request is answered 503 at once while the queue
-    /// holds this many times the requests in flight (0: never, the default; admission by
-    /// deadline applies either way).
-    pub shed_ratio: f64,
-    /// The request header stating within how many milliseconds the request's answer must start
-    /// (its first byte; the queue's `timeout` bounds it). Empty: none is read.
-    pub deadline_header: String,
-    /// The request header naming the request's priority band: `high`, `normal` (also when
-    /// absent or anything else) or `low`. Empty: every request is `normal`.
-    pub priority_header: String,
-    /// How long a request of a lower band waits before such requests get at least one
-    /// dispatch in four while higher bands hold requests.
-    #[serde(with = "crate::forms::seconds")]
-    pub priority_aging: Duration,
-    /// The request header whose value names the tenant (e.g. `x-tenant-id`, `authorization`):
-    /// tenants get fair shares of dispatch. Empty (the default): off.
-    pub tenant_header: String,
-}
-
-impl Default for QueueConfig {
-    fn default() -> Self {
-        Self {
-            max_size: 1000,
-            timeout: Duration::from_secs(1200),
-            shed_ratio: 0.0,
-            deadline_header: "x-request-deadline-ms".to_owned(),
-            priority_header: "x-priority".to_owned(),
-            priority_aging: Duration::from_secs(10),
-            tenant_header: String::new(),
-        }
-    }
-}
-
-impl QueueConfig {
-    /// The cap of each backend's completed count: `2 × max_size / 5`, at least 1.
-    pub fn completed_cap(&self) -> u64 {
-        (2 * self.max_size / 5).max(1) as u64
-    }
-
-    /// Most requests `max_size` may hold: twice the queue's size is counted in places, and a
-    /// size past this would overflow them.
-    pub const MAX_SIZE: usize = 1 << 24;
-
-    /// Checks what the types leave open: a size from 1 to [`QueueConfig::MAX_SIZE`], a finite
-    /// `shed_ratio` ≥ 0, header names that are tokens. The error names the key within `[queue]`.
-    pub fn check(&self) -> Result<(), crate::forms::Invalid> {
-        use crate::forms::{Invalid, check};
-        check::positive("max_size", self.max_size as u64)?;
-        if self.max_size > Self::MAX_SIZE {
-            return Err(Invalid::new(
-                "max_size",
-                format!(
-                    "expected at most {} requests, found {}",
-                    Self::MAX_SIZE,
-                    self.max_size
-                ),
-            ));
-        }
-        let shed_ratio = self.shed_ratio;
-        if !(shed_ratio.is_finite() && shed_ratio >= 0.0) {
-            return Err(Invalid::new(
-                "shed_ratio",
-                format!("expected zero (never shed) or a positive number, found {shed_ratio}"),
-            ));
-        }
-        check::header_name("deadline_header", &self.deadline_header)?;
-        check::header_name("priority_header", &self.priority_header)?;
-        check::header_name("tenant_header", &self.tenant_header)
-    }
-}
-
-/// What the balancer is held to: the configuration's `[queue]`, `[latency]` and `[availability]`
-/// sections as they are (replaced whole by a reload).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Tuning {
-    /// The admission queue.
-    pub queue: QueueConfig,
-    /// Latency samples and what a failure counts.
-    pub latency: LatencyConfig,
-    /// Ejection, busy pauses, readmission probes, slow start.
-    pub availability: AvailabilityConfig,
-    /// Each backend's prefix index.
-    pub prefix_index: PrefixIndexConfig,
-}
-
-/// The `[prefix_index]` section: what the router remembers of the prompts it sent to each
-/// backend ([`Backend::prefixes`]), read by strategies that route on prompts.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PrefixIndexConfig {
-    /// Prompt tokens remembered per backend, least recently routed forgotten first; about the
-    /// size of one replica's prefix cache. 0 turns the index off. Applies to backends added
-    /// after a change.
-    pub capacity_tokens: u64,
-}
-
-impl Default for PrefixIndexConfig {
-    fn default() -> Self {
-        Self {
-            capacity_tokens: PrefixIndex::DEFAULT_CAPACITY_TOKENS,
         }
     }
 }
@@ -849,262 +734,13 @@ fn tenant_key(value: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(value).max(1)
 }
 
-/// How a proxied request ended, for [`Lease::finish`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Finish {
-    /// The backend's status code, if it answered.
-    pub status: Option<StatusCode>,
-    /// The upstream failure, if any.
-    pub error: Option<ErrorKind>,
-    /// The response's `Retry-After`, if any (with 429 or 503 it pauses the backend).
-    pub retry_after: Option<Duration>,
-    /// Response body bytes relayed.
-    pub bytes: u64,
-    /// The answer's usage, when it reported one and the lease asked for it
-    /// ([`Lease::reads_usage`]).
-    pub usage: Option<Usage>,
-}
-
-/// What `backend`'s index held of `prompt`
-/// ([`crate::prefix_index::PrefixIndex::record_prompt`]); the prompt is recorded there: it is
-/// about to be sent to it.
-fn recall(backend: &Backend, prompt: &Prompt) -> Recall {
-    backend.prefixes().record_prompt(prompt)
-}
-
-/// The backend a pick chose, with what the strategy's [`Pick`] said of it.
-struct Choice {
-    backend: Arc<Backend>,
-    /// [`Pick::past_limit`].
-    past_limit: bool,
-}
-
-impl Choice {
-    /// The backend of `candidates` that `pick` names.
-    fn of(candidates: Candidates<'_>, pick: Pick) -> Self {
-        Self {
-            backend: Arc::clone(&candidates.all()[pick.index]),
-            past_limit: pick.past_limit,
-        }
-    }
-}
-
-/// One request's claim on a backend: counted in the backend's in-flight until dropped.
-///
-/// [`Lease::finish`] records the outcome; a lease dropped without it (client went away) gives no
-/// latency sample. Either way the in-flight count is released and the queue may move on.
-pub struct Lease {
-    balancer: Arc<Balancer>,
-    backend: Arc<Backend>,
-    dispatched_at: Instant,
-    first_byte: Option<Duration>,
-    streamed: bool,
-    released: bool,
-    /// What the request adds to its backend's in-flight counters.
-    work: InFlightWork,
-    /// The backend's queued prefill when the request was dispatched.
-    queued_tokens: u64,
-    /// The backend's requests in flight when it was dispatched, this one included.
-    in_flight: usize,
-    /// Whether the pick sent it past the strategy's limit ([`Pick::past_limit`]).
-    past_limit: bool,
-    /// The request's prompt tokens (0 without a prompt): its answer's usage is read.
-    prompt_tokens: u64,
-    /// What the backend's index held of the prompt at dispatch.
-    recall: Recall,
-    /// The prompt, released in the backend's index when the request ends.
-    prompt: Option<Arc<Prompt>>,
-}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lease")
-            .field("backend", &self.backend.addr().as_str())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Lease {
-    fn new(balancer: &Arc<Balancer>, choice: Choice, info: &RequestInfo) -> Self {
-        let Choice {
-            backend,
-            past_limit,
-        } = choice;
-        let queued_tokens = backend.prefill_in_flight();
-        let prompt_tokens = info
-            .prompt
-            .as_ref()
-            .map_or(0, |prompt| u64::from(prompt.tokens));
-        let recall = info
-            .prompt
-            .as_ref()
-            .map_or_else(Recall::default, |prompt| recall(&backend, prompt));
-        let work = InFlightWork {
-            // The prompt past the longest prefix the index held.
-            prefill: prompt_tokens.saturating_sub(Prompt::blocks_tokens(recall.held)),
-            output: u64::from(info.expected_output_tokens()),
-        };
-        backend.acquire_work(&work);
-        let in_flight = backend.in_flight();
-        balancer.leased.fetch_add(1, Ordering::Relaxed);
-        Self {
-            balancer: Arc::clone(balancer),
-            backend,
-            dispatched_at: Instant::now(),
-            first_byte: None,
-            streamed: false,
-            released: false,
-            work,
-            queued_tokens,
-            in_flight,
-            past_limit,
-            prompt_tokens,
-            recall,
-            prompt: info.prompt.clone(),
-        }
-    }
-
-    /// Whether the answer's usage is read for the strategy: the request has a prompt (the
-    /// strategy reads prompts, and this is an LLM request).
-    pub fn reads_usage(&self) -> bool {
-        self.prompt_tokens > 0
-    }
-
-    /// The backend this request goes to.
-    pub fn backend(&self) -> &Arc<Backend> {
-        &self.backend
-    }
-
-    /// When the lease was handed out.
-    pub fn dispatched_at(&self) -> Instant {
-        self.dispatched_at
-    }
-
-    /// The prompt tokens the backend is expected to prefill: those past the longest prefix the
-    /// router's index held for it at dispatch (0 without a prompt).
-    pub fn uncached_tokens(&self) -> u64 {
-        self.work.prefill
-    }
-
-    /// Marks the answer as a stream (see [`Outcome::streamed`]).
-    pub fn mark_streamed(&mut self) {
-        self.streamed = true;
-    }
-
-    /// Notes the first response body byte (once).
-    pub fn mark_first_byte(&mut self) {
-        if self.first_byte.is_none() {
-            self.first_byte_after(self.dispatched_at.elapsed());
-        }
-    }
-
-    fn first_byte_after(&mut self, elapsed: Duration) {
-        if self.first_byte.is_none() {
-            self.first_byte = Some(elapsed);
-            self.backend.prefilled(&self.work);
-            let seconds = elapsed.as_secs_f64();
-            self.balancer.first_byte_time.record(seconds);
-            self.balancer
-                .metrics
-                .time_to_first_byte
-                .record(seconds, &[]);
-            self.balancer.strategy.load().on_first_byte(
-                &self.backend,
-                &FirstByte {
-                    seconds,
-                    streamed: self.streamed,
-                    uncached_tokens: self.work.prefill,
-                    prompt_tokens: self.prompt_tokens,
-                    recall: self.recall,
-                    queued_tokens: self.queued_tokens,
-                    in_flight: self.in_flight,
-                    dispatched_at: self.dispatched_at,
-                    past_limit: self.past_limit,
-                },
-            );
-            // A stream's first byte can raise the backend's limit and ends its share of queued
-            // prefill: a waiting request may go now rather than when some answer ends (seconds
-            // to minutes later). A whole answer's first byte comes with its end, and the release
-            // that follows lets the queue move.
-            if self.streamed {
-                self.balancer.capacity_freed();
-            }
-        }
-    }
-
-    /// Records how the request ended, then releases the backend.
-    ///
-    /// A failed attempt keeps the backend occupied until `latency.threshold` has passed since
-    /// dispatch, as if it had taken that long: a replica that fails fast must not look free.
-    pub fn finish(self, finish: Finish) {
-        self.finish_at(finish, Instant::now());
-    }
-
-    /// [`Lease::finish`] with the time it ended read already (`now`). A body that ends with its
-    /// first bytes had them at `now` too.
-    pub fn finish_at(mut self, finish: Finish, now: Instant) {
-        let latency = now.saturating_duration_since(self.dispatched_at);
-        if finish.error.is_none() {
-            self.first_byte_after(latency);
-        }
-        let failed = self.balancer.record_outcome(&self, &finish, latency);
-        if failed {
-            let threshold = self.balancer.tuning.load().latency.threshold;
-            let penalty = threshold.saturating_sub(latency);
-            if let (false, Ok(runtime)) = (penalty.is_zero(), tokio::runtime::Handle::try_current())
-            {
-                runtime.spawn(async move {
-                    tokio::time::sleep(penalty).await;
-                    drop(self);
-                });
-            }
-        }
-        // Otherwise dropping releases the in-flight count and lets the queue move.
-    }
-
-    /// The client left before the answer's end (`status`: the answer's, when its head came):
-    /// the backend's response is counted (its status class, the time so far), but nothing is
-    /// learned from it: the strategy and availability see no sample. Dropping releases the
-    /// backend.
-    pub fn client_left(self, status: Option<http::StatusCode>) {
-        if let Some(status) = status {
-            self.backend.record_status(status);
-        }
-        let elapsed = self.dispatched_at.elapsed().as_secs_f64();
-        self.balancer.metrics.request_duration.record(elapsed, &[]);
-    }
-
-    fn release_locked(mut self) {
-        self.release();
-    }
-
-    /// Gives the backend back what the request held of it: its in-flight work, and, in its
-    /// prefix index, the prompt (the engine frees the prompt's blocks as the request ends).
-    fn release(&mut self) {
-        self.backend
-            .release_work(&self.work, self.first_byte.is_none());
-        if let Some(prompt) = &self.prompt {
-            self.backend.prefixes().release(&prompt.blocks);
-        }
-        self.balancer.leased.fetch_sub(1, Ordering::Relaxed);
-        self.released = true;
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if !self.released {
-            self.release();
-            self.balancer.capacity_freed();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
     use super::*;
+    use crate::prompt::Prompt;
+    use crate::strategy::{FirstByte, Pick};
 
     /// Takes a request on the one backend while it holds fewer than one plus the first bytes
     /// seen: each first byte is room for one more.

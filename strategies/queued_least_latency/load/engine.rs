@@ -2,6 +2,9 @@
 //! newcomer (read by the score) and whether the engine is full (read by the limit, which then
 //! does not grow).
 
+use tokio::time::Instant;
+
+use crate::backend::Backend;
 use crate::engine_metrics::EngineSnapshot;
 
 /// KV-cache usage from which an engine's cache is taken as full ([`kv_full`]).
@@ -28,8 +31,14 @@ fn kv_full(engine: &EngineSnapshot) -> bool {
 /// burst of arrivals nearly always sees some), so a waiting count alone is no sign of a full
 /// engine; with the KV cache full they wait for running sequences to end. An engine that does
 /// not export its KV usage is never taken as full here.
-pub(super) fn engine_full(engine: &EngineSnapshot) -> bool {
+fn is_full(engine: &EngineSnapshot) -> bool {
     engine.waiting > 0 && kv_full(engine)
+}
+
+/// Whether `backend`'s engine was full ([`is_full`]) at `at`, by its latest scrape then (never
+/// without `[engine_metrics]` or a fresh scrape).
+pub(super) fn engine_full(backend: &Backend, at: Instant) -> bool {
+    backend.engine().snapshot(at).as_ref().is_some_and(is_full)
 }
 
 #[cfg(test)]
@@ -66,12 +75,12 @@ mod tests {
 
     #[test]
     fn an_engine_is_full_when_requests_wait_and_its_cache_is_full() {
-        assert!(engine_full(&engine(8, 2, Some(0.97), 8)));
+        assert!(is_full(&engine(8, 2, Some(0.97), 8)));
         // Requests waiting between two steps with room in the cache: not full.
-        assert!(!engine_full(&engine(8, 2, Some(0.5), 8)));
+        assert!(!is_full(&engine(8, 2, Some(0.5), 8)));
         // A full cache and nothing waiting: not full.
-        assert!(!engine_full(&engine(8, 0, Some(0.99), 8)));
+        assert!(!is_full(&engine(8, 0, Some(0.99), 8)));
         // No KV usage exported: never taken as full.
-        assert!(!engine_full(&engine(8, 50, None, 8)));
+        assert!(!is_full(&engine(8, 50, None, 8)));
     }
 }

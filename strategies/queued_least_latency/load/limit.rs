@@ -91,11 +91,7 @@ impl LoadScore {
         // When the first byte came: no clock read of its own.
         let after = std::time::Duration::try_from_secs_f64(first_byte.seconds).unwrap_or_default();
         let at = first_byte.dispatched_at + after;
-        let full = backend
-            .engine()
-            .snapshot(at)
-            .as_ref()
-            .is_some_and(engine_full);
+        let full = engine_full(backend, at);
         let slot = backend.strategy_slot::<Slot>();
         let _ = slot
             .answered

@@ -336,13 +336,8 @@ impl LoadScore {
     pub(super) fn learn(&self, backend: &Backend, outcome: &Outcome) {
         let in_flight = backend.in_flight();
         // What the engine's own numbers say as a whole answer ends (read only for those).
-        let full = !outcome.streamed
-            && !outcome.failed
-            && backend
-                .engine()
-                .snapshot(Instant::now())
-                .as_ref()
-                .is_some_and(engine::engine_full);
+        let full =
+            !outcome.streamed && !outcome.failed && engine::engine_full(backend, Instant::now());
         self.update(backend, |learned, fleet| {
             self.record_cost(learned, fleet, outcome);
             self.learn_whole(learned, outcome, in_flight, full);

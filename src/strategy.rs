@@ -493,6 +493,11 @@ pub trait Strategy: Send + Sync + 'static {
     /// what is learned per backend in [`Backend::strategy_slot`].
     fn on_outcome(&self, _backend: &Backend, _outcome: &Outcome) {}
 
+    /// Called when a request is sent to `backend`, with the uncached prompt tokens it adds there
+    /// (`prefill`: its prompt past the longest prefix the backend's index held; 0 without a
+    /// prompt). The backend's counters already include it ([`Backend::prefill_in_flight`]).
+    fn on_dispatch(&self, _backend: &Backend, _prefill: u64) {}
+
     /// Called when the first body byte of an answer from `backend` arrives (before the answer
     /// ends: for a stream, seconds or minutes before [`Strategy::on_outcome`]).
     fn on_first_byte(&self, _backend: &Backend, _first_byte: &FirstByte) {}

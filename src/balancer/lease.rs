@@ -112,6 +112,7 @@ impl Lease {
             output: u64::from(info.expected_output_tokens()),
         };
         backend.acquire_work(&work);
+        balancer.strategy.load().on_dispatch(&backend, work.prefill);
         let in_flight = backend.in_flight();
         balancer.leased.fetch_add(1, Ordering::Relaxed);
         Self {

@@ -372,6 +372,12 @@ impl Strategy for QueuedLeastLatency {
         }
     }
 
+    fn on_dispatch(&self, backend: &Backend, prefill: u64) {
+        if let Mode::Load(load) = &self.mode {
+            load.dispatched(backend, prefill);
+        }
+    }
+
     fn on_first_byte(&self, backend: &Backend, first_byte: &FirstByte) {
         if let Mode::Load(load) = &self.mode {
             load.learn_first_byte(backend, first_byte);

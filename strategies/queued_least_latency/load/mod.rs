@@ -14,6 +14,7 @@
 //! - `cache.rs`: the backend's prefix cache as learned: its prefix index sized like what the
 //!   engine says it keeps;
 //! - `cost.rs`: what a backend's answers cost, relative to the fleet's;
+//! - `backlog.rs`: the prefill a backend has still to do (estimated for whole answers);
 //! - `ttfb.rs`: the time to first byte expected without congestion (the fixed delay and the
 //!   prefill rate, read off first bytes);
 //! - `limit.rs`: the concurrency limit learned from first bytes (growth, decrease, ceilings and
@@ -39,6 +40,7 @@ use super::{Params, RampUp};
 use crate::backend::Backend;
 use crate::strategies::{Outcome, next_generation};
 
+mod backlog;
 mod cache;
 mod cost;
 mod engine;
@@ -132,6 +134,8 @@ struct Rank {
     own: f64,
     coverage: u8,
     prefill_rate: f64,
+    /// Whether the backend has streamed ([`History::streamed`]).
+    streams: bool,
 }
 
 /// The part of [`Learned`] only `learn` reads (kept on the backend behind a mutex).
@@ -189,6 +193,7 @@ impl Learned {
             own: self.own,
             coverage: self.coverage,
             prefill_rate: self.prefill_rate,
+            streams: self.history.streamed,
         }
     }
 }
@@ -210,6 +215,10 @@ struct Slot {
     coverage: AtomicU8,
     /// [`Learned::prefill_rate`], as `f64` bits.
     prefill_rate: AtomicU64,
+    /// [`History::streamed`].
+    streams: AtomicBool,
+    /// The prefill it is expected to have left (`backlog.rs`).
+    backlog: backlog::Backlog,
     /// First bytes seen (any generation): with the finished requests, what the ramp-up room
     /// counts, so a replica streaming long answers gets room as its first tokens arrive.
     answered: AtomicU64,
@@ -233,6 +242,7 @@ impl Slot {
             own: f64::from_bits(self.own.load(Ordering::Relaxed)),
             coverage: self.coverage.load(Ordering::Relaxed),
             prefill_rate: f64::from_bits(self.prefill_rate.load(Ordering::Relaxed)),
+            streams: self.streams.load(Ordering::Relaxed),
         })
     }
 
@@ -247,6 +257,8 @@ impl Slot {
         self.coverage.store(learned.coverage, Ordering::Relaxed);
         self.prefill_rate
             .store(learned.prefill_rate.to_bits(), Ordering::Relaxed);
+        self.streams
+            .store(learned.history.streamed, Ordering::Relaxed);
         self.generation.store(generation, Ordering::Relaxed);
     }
 }

@@ -232,7 +232,11 @@ impl LoadScore {
                 0.0
             };
             relative * demand.token_seconds * (demand.output + ahead)
-                + (backend.prefill_in_flight() + uncached) as f64 * rank.prefill_rate
+                + (demand.now.map_or_else(
+                    || backend.prefill_in_flight(),
+                    |now| Self::queued_prefill(backend, Some(rank), now),
+                ) + uncached) as f64
+                    * rank.prefill_rate
         };
         let mut best = end(chosen, chosen_rank, chosen_relative, false);
         let mut found = None;

@@ -127,6 +127,7 @@ impl<'r> Demand<'r> {
         let mut queued_prefill = 0u64;
         let mut fewest_awaiting = usize::MAX;
         let mut fastest = f64::INFINITY;
+        let now = Instant::now();
         for (_, backend) in candidates.iter() {
             let rank = backend.strategy_slot::<Slot>().rank(generation);
             if let Some(ewma) = backend.ewma_latency() {
@@ -135,7 +136,7 @@ impl<'r> Demand<'r> {
             }
             limits += rank.map_or(strategy.initial_limit, |r| r.limit);
             work += backend.work_in_flight();
-            queued_prefill += backend.prefill_in_flight();
+            queued_prefill += LoadScore::queued_prefill(backend, rank, now);
             fewest_awaiting = fewest_awaiting.min(backend.awaiting_first_byte());
             in_flight += backend.in_flight();
             let relative = relative_cost(fleet, rank);
@@ -186,7 +187,7 @@ impl<'r> Demand<'r> {
             mean_in_flight,
             prefill_bound,
             awaiting_bound,
-            now: Some(Instant::now()),
+            now: Some(now),
             ceilings: true,
             probes: !request.ahead_of_older,
             token_seconds: mean_latency / typical_output,
@@ -361,7 +362,10 @@ impl LoadScore {
         }) {
             return None;
         }
-        let queued_prefill = backend.prefill_in_flight();
+        let queued_prefill = demand.now.map_or_else(
+            || backend.prefill_in_flight(),
+            |now| Self::queued_prefill(backend, state, now),
+        );
         let uncached = demand.prompt_tokens.saturating_sub(matched);
         if demand.prefill_bound.is_some_and(|bound| {
             queued_prefill as f64 > bound

@@ -38,6 +38,12 @@ impl QueuedLeastLatency {
     pub(super) fn prefill_rate(&self, backend: &Backend) -> f64 {
         self.load_score().prefill_rate(backend)
     }
+
+    /// The uncached prompt tokens a pick reads as still to prefill on `backend` now.
+    pub(super) fn queued_prefill(&self, backend: &Backend) -> u64 {
+        let rank = self.load_score().learned_rank(backend);
+        LoadScore::queued_prefill(backend, rank, Instant::now())
+    }
 }
 
 impl LoadScore {

@@ -232,11 +232,7 @@ impl LoadScore {
                 0.0
             };
             relative * demand.token_seconds * (demand.output + ahead)
-                + (demand.now.map_or_else(
-                    || backend.prefill_in_flight(),
-                    |now| Self::queued_prefill(backend, Some(rank), now),
-                ) + uncached) as f64
-                    * rank.prefill_rate
+                + (demand.queued_prefill(backend, Some(rank)) + uncached) as f64 * rank.prefill_rate
         };
         let mut best = end(chosen, chosen_rank, chosen_relative, false);
         let mut found = None;

@@ -210,6 +210,16 @@ impl Demand<'_> {
         }
     }
 
+    /// The uncached prompt tokens `backend` (learned as `rank`) has still to prefill when the
+    /// pick happens ([`LoadScore::queued_prefill`]; the tokens awaiting their first byte
+    /// without a pick time).
+    pub(super) fn queued_prefill(&self, backend: &Backend, rank: Option<Rank>) -> u64 {
+        self.now.map_or_else(
+            || backend.prefill_in_flight(),
+            |now| LoadScore::queued_prefill(backend, rank, now),
+        )
+    }
+
     /// The prompt's blocks `backend`'s prefix index says it holds, and the tokens of those and
     /// of the blocks after them it recorded past its reach (stale): the held blocks and tokens
     /// of [`Self::matched_tokens`], then the stale tokens; (0, 0, 0) for a request without a
@@ -362,10 +372,7 @@ impl LoadScore {
         }) {
             return None;
         }
-        let queued_prefill = demand.now.map_or_else(
-            || backend.prefill_in_flight(),
-            |now| Self::queued_prefill(backend, state, now),
-        );
+        let queued_prefill = demand.queued_prefill(backend, state);
         let uncached = demand.prompt_tokens.saturating_sub(matched);
         if demand.prefill_bound.is_some_and(|bound| {
             queued_prefill as f64 > bound
